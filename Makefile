@@ -1,0 +1,26 @@
+# OmniFlow set-up and entry points. `make run` and `make test` each install what is missing first.
+PYTHON ?= python3
+STAMP := .install-stamp
+
+.PHONY: install run test lint clean
+
+# torch: keep any installed build (CUDA users bring their own); otherwise the CPU build 2.13.0,
+# because an unpinned torch from PyPI pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
+	$(PYTHON) -m pip install -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(PYTHON) -m omniflow.flows.cli validate
+
+test: install
+	$(PYTHON) -m pytest
+
+lint: install
+	$(PYTHON) -m ruff check .
+
+clean:
+	rm -rf $(STAMP) outputs .pytest_cache

@@ -1,0 +1,1 @@
+"""OmniFlow's Prefect deployments (`omniflow.deployments`): schedules and parameters of the main job."""

@@ -1,0 +1,269 @@
+"""One actor training step of Flow-GRPO: PPO epochs x mini-batches x micro-batches x window steps.
+
+Owns the update schedule (verl-omni's ``TrainingWorker.train_mini_batch`` +
+``_run_forward_backward_batch``) and the optimizer / LR-scheduler builders. The model-specific part,
+a transformer forward for window step ``j`` followed by re-scoring the stored transition
+``latents[:, j] -> latents[:, j + 1]`` with the SDE, is the caller's ``step_fn``; the loss math is
+:mod:`omni_core.algorithms.flow_grpo`.
+
+Schedule (for each call, i.e. once per training step):
+
+    for epoch in ppo_epochs:                      # shuffled with a seeded generator if cfg.shuffle
+        for mini_batch in batch:                  # mini_batch_size samples (= ppo_mini_batch_size x n)
+            for micro_batch in mini_batch:        # micro_batch_size samples
+                for j in window steps:            # W
+                    loss_j = (policy loss + kl_coef * KL) / (n_micro * W)
+                    loss_j.backward()             # at once: activations of one step only
+            clip_grad_norm_; optimizer.step(); zero_grad
+    lr_scheduler.step()                           # once per training step, as verl-omni
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from omni_core.algorithms.flow_grpo import kl_loss
+from omni_core.algorithms.registry import get_policy_loss
+
+__all__ = [
+    "PPOUpdateConfig",
+    "StepOutput",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "ppo_update",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What ``step_fn(micro_batch, j)`` returns for window step ``j`` of a micro-batch of ``b``.
+
+    Attributes:
+        log_prob: ``[b]`` fp32 log-prob of ``latents[:, j + 1]`` given ``latents[:, j]`` under the
+            current policy (with grad).
+        prev_sample_mean: ``[b, *latent]`` mean of that Gaussian transition (with grad).
+        std_dev_t: the transition's std factor (scalar, ``[b]`` or broadcastable), for the KL.
+        ref_prev_sample_mean: ``[b, *latent]`` transition mean under the reference policy (no
+            grad), or None when the KL term is off.
+    """
+
+    log_prob: Tensor
+    prev_sample_mean: Tensor
+    std_dev_t: Tensor | float
+    ref_prev_sample_mean: Tensor | None = None
+
+
+@dataclass
+class PPOUpdateConfig:
+    """Knobs of one update call, in samples (not prompts). Filled by the caller from the config.
+
+    ``mini_batch_size`` = ``actor.ppo_mini_batch_size x rollout.n``; ``micro_batch_size`` =
+    ``actor.ppo_micro_batch_size_per_gpu``; ``kl_coef`` = 0 turns the KL term off; ``seed`` seeds
+    the mini-batch shuffle (``actor.data_loader_seed``).
+    """
+
+    mini_batch_size: int
+    micro_batch_size: int
+    ppo_epochs: int
+    clip_ratio: float
+    adv_clip_max: float
+    kl_coef: float
+    grad_clip: float
+    shuffle: bool
+    seed: int
+    loss_mode: str = "flow_grpo"
+
+
+StepFn = Callable[[dict[str, Any], int], StepOutput]
+
+
+def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
+    mini, micro = cfg.mini_batch_size, cfg.micro_batch_size
+    if mini <= 0 or micro <= 0 or cfg.ppo_epochs <= 0:
+        raise ValueError(f"mini_batch_size={mini}, micro_batch_size={micro} and ppo_epochs={cfg.ppo_epochs} must all be positive")
+    if batch_size % mini:
+        raise ValueError(
+            f"batch of {batch_size} samples is not divisible by mini_batch_size={mini} (ppo_mini_batch_size x rollout.n)"
+        )
+    if mini % micro:
+        raise ValueError(f"mini_batch_size={mini} is not divisible by micro_batch_size={micro}")
+
+
+def _take(batch: Mapping[str, Any], idx: Tensor) -> dict[str, Any]:
+    """Rows ``idx`` of every tensor (batch dim first); non-tensor entries pass through unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        out[key] = value[idx.to(value.device)] if isinstance(value, Tensor) else value
+    return out
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    batch: Mapping[str, Any],
+    *,
+    step_fn: StepFn,
+    cfg: PPOUpdateConfig,
+) -> dict[str, float]:
+    """Run one training step of Flow-GRPO updates on a batch of trajectories.
+
+    Args:
+        model: the trained module (its trainable parameters are grad-clipped; set to train mode).
+        optimizer: stepped once per mini-batch.
+        lr_scheduler: stepped once at the end of the call (or None).
+        batch: ``latents [B, W+1, *latent]``, ``timesteps [B, W]``, ``old_log_probs [B, W]``,
+            ``advantages [B]`` (or ``[B, W]``), plus any conditioning tensors with batch dim first.
+        step_fn: ``step_fn(micro_batch, j) -> StepOutput`` for window step ``j`` (see StepOutput).
+        cfg: sizes and loss knobs.
+
+    Returns:
+        Means over all (micro-batch, step) calls of ``actor/pg_loss``, ``actor/pg_clipfrac``,
+        ``actor/pg_clipfrac_higher``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+        ``actor/ratio_mean``, ``actor/ratio_std``, ``actor/kl_loss`` (0 when off); the mean over
+        mini-batches of ``actor/grad_norm`` (before clipping); ``actor/lr`` used by this step.
+    """
+    loss_fn = get_policy_loss(cfg.loss_mode)
+    batch_size, window = batch["old_log_probs"].shape[:2]
+    _check_sizes(batch_size, cfg)
+    n_micro = cfg.mini_batch_size // cfg.micro_batch_size
+    # Every backward adds 1/(n_micro * W) of a mini-batch's mean loss: gradients then equal those of
+    # the mean over the mini-batch and its window steps, whatever the micro-batch split.
+    scale = 1.0 / (n_micro * window)
+    params = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    lr = float(optimizer.param_groups[0]["lr"])
+
+    sums: dict[str, Tensor] = {}
+    n_terms = 0
+    grad_norms: list[float] = []
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(cfg.ppo_epochs):
+        if cfg.shuffle:
+            order = torch.randperm(batch_size, generator=generator)
+        else:
+            order = torch.arange(batch_size)
+        for mini_idx in order.split(cfg.mini_batch_size):
+            for micro_idx in mini_idx.split(cfg.micro_batch_size):
+                micro = _take(batch, micro_idx)
+                adv = micro["advantages"]
+                for j in range(window):
+                    out = step_fn(micro, j)
+                    adv_j = adv[:, j] if adv.dim() == 2 else adv
+                    loss, metrics = loss_fn(
+                        out.log_prob,
+                        micro["old_log_probs"][:, j].to(out.log_prob.device),
+                        adv_j.to(out.log_prob.device),
+                        clip_ratio=cfg.clip_ratio,
+                        adv_clip_max=cfg.adv_clip_max,
+                    )
+                    kl = loss.new_zeros(())
+                    if cfg.kl_coef > 0:
+                        if out.ref_prev_sample_mean is None:
+                            raise ValueError(
+                                f"kl_coef={cfg.kl_coef} > 0 but step_fn returned no "
+                                "ref_prev_sample_mean; compute the reference transition mean or "
+                                "set kl_coef=0"
+                            )
+                        kl = kl_loss(out.prev_sample_mean, out.ref_prev_sample_mean, out.std_dev_t)
+                        loss = loss + cfg.kl_coef * kl
+                    (loss * scale).backward()
+                    metrics["kl_loss"] = kl.detach()
+                    # Kept as tensors: a float() per step would sync the device every step.
+                    for key, value in metrics.items():
+                        sums[key] = sums[key] + value if key in sums else value
+                    n_terms += 1
+            grad_norms.append(_optimizer_step(optimizer, params, cfg.grad_clip))
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+
+    result = {f"actor/{key}": float(value) / max(n_terms, 1) for key, value in sums.items()}
+    result["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    result["actor/lr"] = lr
+    return result
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float) -> float:
+    """Clip, step and zero the grads; returns the pre-clip global grad norm.
+
+    A non-finite norm skips the step (as verl's actors do) instead of writing nan into the weights.
+    """
+    max_norm = grad_clip if grad_clip and grad_clip > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        logger.warning("grad_norm is %s; skipping this optimizer step", grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# --------------------------------------------------------------------------------------------------
+# Builders, each from one config section (``actor_rollout_ref.actor.optim``), duck-typed.
+# --------------------------------------------------------------------------------------------------
+
+
+def _field(section: Any, name: str) -> Any:
+    if isinstance(section, Mapping):
+        if name not in section:
+            raise KeyError(f"optimizer config has no field {name!r}")
+        return section[name]
+    if not hasattr(section, name):
+        raise AttributeError(f"optimizer config {type(section).__name__} has no field {name!r}")
+    return getattr(section, name)
+
+
+def build_optimizer(optim_cfg: Any, params: Iterable[Tensor]) -> torch.optim.AdamW:
+    """AdamW over the trainable ``params``, reading ``lr``, ``betas``, ``weight_decay``."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("build_optimizer got no parameters with requires_grad=True")
+    betas = tuple(float(b) for b in _field(optim_cfg, "betas"))
+    return torch.optim.AdamW(
+        trainable,
+        lr=float(_field(optim_cfg, "lr")),
+        betas=(betas[0], betas[1]),
+        weight_decay=float(_field(optim_cfg, "weight_decay")),
+    )
+
+
+def build_lr_scheduler(
+    optim_cfg: Any, optimizer: torch.optim.Optimizer, total_training_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine decay to 0, stepped once per training step.
+
+    Reads ``lr_scheduler_type`` (``constant`` | ``cosine``) and ``lr_warmup_steps`` (-1 or 0 = no
+    warm-up). The multiplier after ``s`` scheduler steps follows the HF / verl convention:
+    ``s / warmup`` while ``s < warmup`` (so the very first step runs at lr 0), then 1 (constant) or
+    ``0.5 * (1 + cos(pi * (s - warmup) / (total - warmup)))`` (cosine, 0 at ``s = total``).
+    """
+    kind = str(_field(optim_cfg, "lr_scheduler_type"))
+    warmup = int(_field(optim_cfg, "lr_warmup_steps"))
+    if warmup < -1:
+        raise ValueError(f"lr_warmup_steps={warmup} must be -1 (none), 0 (none) or positive")
+    warmup = max(warmup, 0)
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr_scheduler_type {kind!r}; choose one of ['constant', 'cosine']")
+    if kind == "cosine" and total_training_steps <= 0:
+        raise ValueError(f"cosine schedule needs total_training_steps > 0, got {total_training_steps}")
+    decay_steps = max(1, total_training_steps - warmup)
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return step / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / decay_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

@@ -1,0 +1,414 @@
+"""The OmniFlow config schema: verl-omni key paths, types and single-field limits.
+
+Types and limits live here; every default and every description comes from `defaults.yaml`
+through `_section(...)`, so there is one place for each (a test checks that the YAML and this
+schema have the same key set). Cross-field rules live in `omni_core.validation`.
+
+Models are frozen: a loaded config is immutable; `with_updates` makes a changed copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
+
+from omni_core.config.defaults_file import load_defaults
+
+_VALUES, _COMMENTS = load_defaults()
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+StrList = tuple[str, ...]
+
+
+class _Section:
+    """Defaults and descriptions of one YAML section, as pydantic `Field`s."""
+
+    def __init__(self, path: str):
+        self.path = path
+        node: Any = _VALUES
+        for part in path.split("."):
+            node = node[part]
+        self.values: dict[str, Any] = node
+
+    def __call__(self, name: str) -> Any:
+        return Field(default=self.values[name], description=_COMMENTS.get(f"{self.path}.{name}"))
+
+    def section(self, name: str, cls: type[BaseModel]) -> Any:
+        return Field(default_factory=cls, description=_COMMENTS.get(f"{self.path}.{name}"))
+
+
+class ConfigModel(BaseModel):
+    """Base of every section: unknown keys are errors, defaults are validated, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# ----------------------------------------------------------------------------------------- data
+_d = _Section("data")
+
+
+class DataConfig(ConfigModel):
+    train_files: str | StrList = _d("train_files")
+    val_files: str | StrList | None = _d("val_files")
+    prompt_key: str = _d("prompt_key")
+    negative_prompt_key: str = _d("negative_prompt_key")
+    train_batch_size: PositiveInt = _d("train_batch_size")
+    val_batch_size: PositiveInt | None = _d("val_batch_size")
+    gen_batch_size: PositiveInt | None = _d("gen_batch_size")
+    max_prompt_length: PositiveInt = _d("max_prompt_length")
+    shuffle: bool = _d("shuffle")
+    seed: int | None = _d("seed")
+    dataloader_num_workers: NonNegInt = _d("dataloader_num_workers")
+    train_max_samples: int = _d("train_max_samples")
+    val_max_samples: int = _d("val_max_samples")
+
+
+# ------------------------------------------------------------------------------ actor_rollout_ref
+_m = _Section("actor_rollout_ref.model")
+
+
+class ModelConfig(ConfigModel):
+    path: str = _m("path")
+    tokenizer_path: str | None = _m("tokenizer_path")
+    architecture: str | None = _m("architecture")
+    algorithm: str = _m("algorithm")
+    attn_backend: str = _m("attn_backend")
+    lora_rank: int = _m("lora_rank")
+    lora_alpha: float = _m("lora_alpha")
+    lora_init_weights: Literal["gaussian", "true"] | bool = _m("lora_init_weights")
+    target_modules: str | StrList = _m("target_modules")
+    lora_adapter_path: str | None = _m("lora_adapter_path")
+    enable_gradient_checkpointing: bool = _m("enable_gradient_checkpointing")
+
+
+_o = _Section("actor_rollout_ref.actor.optim")
+
+
+class OptimConfig(ConfigModel):
+    lr: PositiveFloat = _o("lr")
+    betas: tuple[float, float] = _o("betas")
+    weight_decay: Annotated[float, Field(ge=0)] = _o("weight_decay")
+    lr_warmup_steps: int = _o("lr_warmup_steps")
+    lr_scheduler_type: Literal["constant", "cosine"] = _o("lr_scheduler_type")
+
+
+_l = _Section("actor_rollout_ref.actor.diffusion_loss")
+
+
+class DiffusionLossConfig(ConfigModel):
+    loss_mode: str = _l("loss_mode")
+    clip_ratio: PositiveFloat = _l("clip_ratio")
+    adv_clip_max: PositiveFloat = _l("adv_clip_max")
+
+
+_c = _Section("actor_rollout_ref.actor.checkpoint")
+
+
+class CheckpointContentsConfig(ConfigModel):
+    save_contents: tuple[Literal["model", "optimizer", "extra"], ...] = _c("save_contents")
+
+
+_a = _Section("actor_rollout_ref.actor")
+
+
+class ActorConfig(ConfigModel):
+    strategy: Literal["torch"] = _a("strategy")
+    ppo_mini_batch_size: PositiveInt = _a("ppo_mini_batch_size")
+    ppo_micro_batch_size_per_gpu: PositiveInt = _a("ppo_micro_batch_size_per_gpu")
+    ppo_epochs: PositiveInt = _a("ppo_epochs")
+    shuffle: bool = _a("shuffle")
+    grad_clip: PositiveFloat = _a("grad_clip")
+    data_loader_seed: int = _a("data_loader_seed")
+    optim: OptimConfig = _a.section("optim", OptimConfig)
+    diffusion_loss: DiffusionLossConfig = _a.section("diffusion_loss", DiffusionLossConfig)
+    use_kl_loss: bool = _a("use_kl_loss")
+    kl_loss_coef: Annotated[float, Field(ge=0)] = _a("kl_loss_coef")
+    checkpoint: CheckpointContentsConfig = _a.section("checkpoint", CheckpointContentsConfig)
+
+
+_r = _Section("actor_rollout_ref.ref")
+
+
+class RefConfig(ConfigModel):
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = _r("log_prob_micro_batch_size_per_gpu")
+
+
+_p = _Section("actor_rollout_ref.rollout.pipeline")
+
+
+class PipelineConfig(ConfigModel):
+    height: PositiveInt = _p("height")
+    width: PositiveInt = _p("width")
+    num_inference_steps: Annotated[int, Field(ge=2)] = _p("num_inference_steps")
+    guidance_scale: Annotated[float, Field(ge=1.0)] = _p("guidance_scale")
+    true_cfg_scale: Annotated[float, Field(ge=1.0)] = _p("true_cfg_scale")
+    max_sequence_length: PositiveInt = _p("max_sequence_length")
+
+
+_g = _Section("actor_rollout_ref.rollout.algo")
+
+
+class SdeAlgoConfig(ConfigModel):
+    noise_level: Annotated[float, Field(ge=0)] = _g("noise_level")
+    sde_type: Literal["sde", "cps"] = _g("sde_type")
+    sde_window_size: PositiveInt | None = _g("sde_window_size")
+    sde_window_range: tuple[NonNegInt, NonNegInt] | None = _g("sde_window_range")
+
+
+_vp = _Section("actor_rollout_ref.rollout.val_kwargs.pipeline")
+
+
+class ValPipelineConfig(ConfigModel):
+    num_inference_steps: Annotated[int, Field(ge=1)] = _vp("num_inference_steps")
+
+
+_va = _Section("actor_rollout_ref.rollout.val_kwargs.algo")
+
+
+class ValAlgoConfig(ConfigModel):
+    noise_level: Annotated[float, Field(ge=0)] = _va("noise_level")
+
+
+_v = _Section("actor_rollout_ref.rollout.val_kwargs")
+
+
+class ValKwargsConfig(ConfigModel):
+    n: PositiveInt = _v("n")
+    seed: int = _v("seed")
+    pipeline: ValPipelineConfig = _v.section("pipeline", ValPipelineConfig)
+    algo: ValAlgoConfig = _v.section("algo", ValAlgoConfig)
+
+
+_ag = _Section("actor_rollout_ref.rollout.agent")
+
+
+class AgentConfig(ConfigModel):
+    num_workers: PositiveInt = _ag("num_workers")
+
+
+_ro = _Section("actor_rollout_ref.rollout")
+
+
+class RolloutConfig(ConfigModel):
+    name: Literal["diffusers"] = _ro("name")
+    n: PositiveInt = _ro("n")
+    seed: int | None = _ro("seed")
+    dtype: Literal["float32", "bfloat16", "float16"] = _ro("dtype")
+    rollout_attn_backend: str = _ro("rollout_attn_backend")
+    calculate_log_probs: bool = _ro("calculate_log_probs")
+    nnodes: NonNegInt = _ro("nnodes")
+    n_gpus_per_node: NonNegInt = _ro("n_gpus_per_node")
+    pipeline: PipelineConfig = _ro.section("pipeline", PipelineConfig)
+    algo: SdeAlgoConfig = _ro.section("algo", SdeAlgoConfig)
+    val_kwargs: ValKwargsConfig = _ro.section("val_kwargs", ValKwargsConfig)
+    agent: AgentConfig = _ro.section("agent", AgentConfig)
+
+
+_arr = _Section("actor_rollout_ref")
+
+
+class ActorRolloutRefConfig(ConfigModel):
+    model: ModelConfig = _arr.section("model", ModelConfig)
+    actor: ActorConfig = _arr.section("actor", ActorConfig)
+    ref: RefConfig = _arr.section("ref", RefConfig)
+    rollout: RolloutConfig = _arr.section("rollout", RolloutConfig)
+
+
+# ------------------------------------------------------------------------------------ algorithm
+_rc = _Section("algorithm.rollout_correction")
+
+
+class RolloutCorrectionConfig(ConfigModel):
+    bypass_mode: bool = _rc("bypass_mode")
+
+
+_al = _Section("algorithm")
+
+
+class AlgorithmConfig(ConfigModel):
+    adv_estimator: str = _al("adv_estimator")
+    norm_adv_by_std_in_grpo: bool = _al("norm_adv_by_std_in_grpo")
+    global_std: bool = _al("global_std")
+    rollout_correction: RolloutCorrectionConfig = _al.section("rollout_correction", RolloutCorrectionConfig)
+
+
+# --------------------------------------------------------------------------------------- reward
+_cr = _Section("reward.custom_reward_function")
+
+
+class CustomRewardFunctionConfig(ConfigModel):
+    path: str | None = _cr("path")
+    name: str = _cr("name")
+
+
+class RewardFunctionSpec(ConfigModel):
+    """One entry of reward.reward_functions: a built-in `name`, or a `path` + `function`, with a weight."""
+
+    name: str | None = Field(None, description="Built-in reward name (e.g. jpeg_compressibility).")
+    path: str | None = Field(None, description="Python file with a compute_score-style function.")
+    function: str = Field("compute_score", description="Function name in that file.")
+    weight: float = Field(1.0, description="Weight in the weighted sum.")
+
+
+_rw = _Section("reward")
+
+
+class RewardConfig(ConfigModel):
+    custom_reward_function: CustomRewardFunctionConfig = _rw.section(
+        "custom_reward_function", CustomRewardFunctionConfig
+    )
+    reward_functions: tuple[RewardFunctionSpec, ...] = _rw("reward_functions")
+    aggregation: Literal["weighted_sum"] = _rw("aggregation")
+
+    @field_validator("reward_functions", mode="before")
+    @classmethod
+    def _accept_verl_forms(cls, value: Any) -> Any:
+        """Accept a list of names / entries, or verl-omni's {name: {path, name, weight}} mapping."""
+        if isinstance(value, dict):
+            entries = []
+            for key, spec in value.items():
+                spec = dict(spec or {})
+                if "path" in spec:  # verl: {key: {path, name: <function>, weight}}
+                    spec["function"] = spec.pop("name", "compute_score")
+                else:
+                    spec.setdefault("name", key)
+                entries.append(spec)
+            return entries
+        if isinstance(value, (list, tuple)):
+            return [{"name": v} if isinstance(v, str) else v for v in value]
+        return value
+
+
+# -------------------------------------------------------------------------------------- trainer
+_sa = _Section("trainer.v1.separate_async")
+
+
+class SeparateAsyncConfig(ConfigModel):
+    num_warmup_batches: NonNegInt = _sa("num_warmup_batches")
+    parameter_sync_step: PositiveInt = _sa("parameter_sync_step")
+    sync_compatible: bool = _sa("sync_compatible")
+
+
+_sm = _Section("trainer.v1.sampler")
+
+
+class SamplerConfig(ConfigModel):
+    max_off_policy_threshold: PositiveInt = _sm("max_off_policy_threshold")
+    max_off_policy_strategy: Literal["drop", "wait"] = _sm("max_off_policy_strategy")
+    drop_incomplete_groups: bool = _sm("drop_incomplete_groups")
+    max_incomplete_group_refill_rounds: PositiveInt = _sm("max_incomplete_group_refill_rounds")
+
+
+_v1 = _Section("trainer.v1")
+
+
+class TrainerV1Config(ConfigModel):
+    trainer_mode: str = _v1("trainer_mode")
+    separate_async: SeparateAsyncConfig = _v1.section("separate_async", SeparateAsyncConfig)
+    sampler: SamplerConfig = _v1.section("sampler", SamplerConfig)
+
+
+_t = _Section("trainer")
+
+
+class TrainerConfig(ConfigModel):
+    total_epochs: PositiveInt = _t("total_epochs")
+    total_training_steps: PositiveInt | None = _t("total_training_steps")
+    project_name: str = _t("project_name")
+    experiment_name: str = _t("experiment_name")
+    logger: tuple[Literal["console", "file", "tensorboard"], ...] = _t("logger")
+    nnodes: PositiveInt = _t("nnodes")
+    n_gpus_per_node: PositiveInt = _t("n_gpus_per_node")
+    device: Literal["auto", "cuda", "npu", "cpu"] = _t("device")
+    save_freq: int = _t("save_freq")
+    test_freq: int = _t("test_freq")
+    val_before_train: bool = _t("val_before_train")
+    val_only: bool = _t("val_only")
+    resume_mode: Literal["auto", "disable", "resume_path"] = _t("resume_mode")
+    resume_from_path: str | None = _t("resume_from_path")
+    default_local_dir: str | None = _t("default_local_dir")
+    max_actor_ckpt_to_keep: PositiveInt | None = _t("max_actor_ckpt_to_keep")
+    use_v1: bool = _t("use_v1")
+    v1: TrainerV1Config = _t.section("v1", TrainerV1Config)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """The checkpoint folder: `default_local_dir`, or checkpoints/<project_name>/<experiment_name>."""
+        if self.default_local_dir:
+            return Path(self.default_local_dir).expanduser()
+        return Path("checkpoints") / self.project_name / self.experiment_name
+
+
+# -------------------------------------------------------------------------------- transfer_queue
+_ss = _Section("transfer_queue.backend.SimpleStorage")
+
+
+class SimpleStorageConfig(ConfigModel):
+    total_storage_size: PositiveInt = _ss("total_storage_size")
+    num_data_storage_units: PositiveInt = _ss("num_data_storage_units")
+
+
+_tb = _Section("transfer_queue.backend")
+
+
+class TransferQueueBackendConfig(ConfigModel):
+    storage_backend: Literal["SimpleStorage"] = _tb("storage_backend")
+    SimpleStorage: SimpleStorageConfig = _tb.section("SimpleStorage", SimpleStorageConfig)
+
+
+_tq = _Section("transfer_queue")
+
+
+class TransferQueueConfig(ConfigModel):
+    enable: bool = _tq("enable")
+    backend: TransferQueueBackendConfig = _tq.section("backend", TransferQueueBackendConfig)
+
+
+# ----------------------------------------------------------------------------------- ray_kwargs
+_ri = _Section("ray_kwargs.ray_init")
+
+
+class RayInitConfig(ConfigModel):
+    address: str | None = _ri("address")
+    num_cpus: PositiveInt | None = _ri("num_cpus")
+
+
+_rk = _Section("ray_kwargs")
+
+
+class RayKwargsConfig(ConfigModel):
+    ray_init: RayInitConfig = _rk.section("ray_init", RayInitConfig)
+
+
+# -------------------------------------------------------------------------------------- the root
+class OmniFlowConfig(ConfigModel):
+    """The whole OmniFlow config (verl-omni key paths). Build it with `omni_core.config.load_config`."""
+
+    data: DataConfig = Field(default_factory=DataConfig, description=_COMMENTS.get("data"))
+    actor_rollout_ref: ActorRolloutRefConfig = Field(
+        default_factory=ActorRolloutRefConfig, description=_COMMENTS.get("actor_rollout_ref")
+    )
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description=_COMMENTS.get("algorithm"))
+    reward: RewardConfig = Field(default_factory=RewardConfig, description=_COMMENTS.get("reward"))
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description=_COMMENTS.get("trainer"))
+    transfer_queue: TransferQueueConfig = Field(
+        default_factory=TransferQueueConfig, description=_COMMENTS.get("transfer_queue")
+    )
+    ray_kwargs: RayKwargsConfig = Field(default_factory=RayKwargsConfig, description=_COMMENTS.get("ray_kwargs"))
+
+
+def field_info(path: str) -> FieldInfo | None:
+    """The pydantic field at a dotted key path, or None if the path does not exist."""
+    cls: Any = OmniFlowConfig
+    info = None
+    for part in path.split("."):
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        info = cls.model_fields[part]
+        cls = info.annotation
+    return info

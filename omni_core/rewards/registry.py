@@ -1,0 +1,42 @@
+"""Built-in reward functions keyed by the names users type, and verl-omni's default scorer.
+
+``default_compute_score(data_source, solution_image, ground_truth, extra_info)`` dispatches on the
+sample's ``data_source`` (the dataset's ``data.reward_fn_key`` column), as verl-omni's
+``default_compute_score`` does for ``jpeg_compressibility``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omni_core.rewards.builtin import jpeg_compressibility, jpeg_incompressibility
+
+__all__ = ["REWARD_FUNCTIONS", "default_compute_score", "get_reward_function"]
+
+# Each takes one image (uint8 HWC numpy / CHW tensor / PIL) and returns a float.
+REWARD_FUNCTIONS: dict[str, Callable[[Any], float]] = {
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+}
+
+
+def get_reward_function(name: str) -> Callable[[Any], float]:
+    """The built-in reward registered as ``name``; unknown names list the choices."""
+    try:
+        return REWARD_FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown reward {name!r}; built-in rewards are {sorted(REWARD_FUNCTIONS)} "
+            "(or point reward.custom_reward_function.path at your own compute_score)"
+        ) from None
+
+
+def default_compute_score(
+    data_source: str,
+    solution_image: Any,
+    ground_truth: Any = None,
+    extra_info: dict[str, Any] | None = None,
+) -> float:
+    """Score one image with the built-in reward named by its ``data_source``."""
+    return get_reward_function(data_source)(solution_image)

@@ -1,0 +1,40 @@
+"""The trainer-mode registry: `@register_diffusion_trainer("sync")` and `get_diffusion_trainer_cls`.
+
+A thin dict keyed by the names users type in `trainer.v1.trainer_mode`, as in verl-omni's
+`trainer_base.py`. Registration happens when `omni_core.trainers` is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T", bound=type)
+
+DIFFUSION_TRAINER_REGISTRY: dict[str, type] = {}
+
+
+def register_diffusion_trainer(name: str) -> Callable[[T], T]:
+    """Class decorator: register a trainer class under the mode name users type."""
+
+    def decorate(cls: T) -> T:
+        if name in DIFFUSION_TRAINER_REGISTRY and DIFFUSION_TRAINER_REGISTRY[name] is not cls:
+            raise ValueError(f"trainer mode {name!r} is already registered by {DIFFUSION_TRAINER_REGISTRY[name].__name__}")
+        DIFFUSION_TRAINER_REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def registered_modes() -> list[str]:
+    import omni_core.trainers  # noqa: F401  (registers the built-in modes)
+
+    return sorted(DIFFUSION_TRAINER_REGISTRY)
+
+
+def get_diffusion_trainer_cls(name: str) -> type:
+    """The trainer class registered as `name`; an unknown name lists the registered modes."""
+    modes = registered_modes()
+    if name not in DIFFUSION_TRAINER_REGISTRY:
+        raise ValueError(f"unknown trainer mode {name!r} (trainer.v1.trainer_mode); available: {', '.join(modes)}")
+    return DIFFUSION_TRAINER_REGISTRY[name]

@@ -1,0 +1,159 @@
+"""The config schema, the defaults YAML, loading and `key.path=value` overrides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from omni_core.config import ConfigError, OmniFlowConfig, load_config, parse_value, to_yaml, with_updates
+from omni_core.config.defaults_file import DEFAULTS_PATH, flatten, read_comments
+
+
+def _schema_leaves(cls: type[BaseModel] = OmniFlowConfig, prefix: str = "") -> dict[str, object]:
+    leaves = {}
+    for name, info in cls.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and prefix + name != "reward.reward_functions":
+            leaves.update(_schema_leaves(ann, f"{prefix}{name}."))
+        else:
+            leaves[prefix + name] = info
+    return leaves
+
+
+def test_yaml_and_schema_share_one_key_set_and_descriptions():
+    text = DEFAULTS_PATH.read_text()
+    yaml_leaves = flatten(yaml.safe_load(text))
+    schema_leaves = _schema_leaves()
+    assert set(yaml_leaves) == set(schema_leaves)
+    comments = read_comments(text)
+    for key, info in schema_leaves.items():
+        assert comments.get(key), f"{key} has no comment in defaults.yaml"
+        assert info.description == comments[key], key
+
+
+def test_every_section_has_a_comment_too():
+    comments = read_comments(DEFAULTS_PATH.read_text())
+    sections = {k.rsplit(".", 1)[0] for k in flatten(yaml.safe_load(DEFAULTS_PATH.read_text())) if "." in k}
+    parents = {".".join(s.split(".")[:i]) for s in sections for i in range(1, s.count(".") + 2)}
+    assert not [s for s in parents if s not in comments]
+
+
+def test_defaults_equal_the_yaml_values():
+    cfg = load_config()
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-3
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.actor_rollout_ref.actor.optim.betas == (0.9, 0.999)
+    assert cfg.trainer.v1.trainer_mode == "sync"
+    dumped = flatten(yaml.safe_load(to_yaml(cfg)))
+    for key, value in flatten(yaml.safe_load(DEFAULTS_PATH.read_text())).items():
+        assert dumped[key] == value, key
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(overrides=["trainer.total_epochs=3", "actor_rollout_ref.model.target_modules=[to_q,to_k]"])
+    path = tmp_path / "cfg.yaml"
+    path.write_text(to_yaml(cfg))
+    again = load_config(path)
+    assert again == cfg
+    assert again.actor_rollout_ref.model.target_modules == ("to_q", "to_k")
+
+
+def test_files_merge_in_order_and_overrides_win(tmp_path):
+    a = tmp_path / "a.yaml"
+    a.write_text("trainer:\n  total_epochs: 5\n  project_name: a\n")
+    b = tmp_path / "b.yaml"
+    b.write_text("trainer:\n  total_epochs: 7\nactor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-4\n")
+    cfg = load_config([a, b], ["trainer.project_name=c"])
+    assert cfg.trainer.total_epochs == 7
+    assert cfg.trainer.project_name == "c"
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-4  # PyYAML alone reads "1e-4" as a string
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8", 8),
+        ("-3", -3),
+        ("1e-4", 1e-4),
+        ("3.5", 3.5),
+        (".5", 0.5),
+        ("2E3", 2000.0),
+        ("true", True),
+        ("False", False),
+        ("null", None),
+        ("~", None),
+        ("[a,b]", ["a", "b"]),
+        ("[0, 5]", [0, 5]),
+        ("[]", []),
+        ("['x,y', 2]", ["x,y", 2]),
+        ("'42'", "42"),
+        ('"true"', "true"),
+        ("sync", "sync"),
+        ("{a: 1}", {"a": 1}),
+    ],
+)
+def test_parse_value_types(text, expected):
+    value = parse_value(text)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_overrides_of_every_value_type_reach_the_config():
+    cfg = load_config(
+        overrides=[
+            "data.train_batch_size=8",  # int
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.optim.lr=1e-4",  # float, exponent form
+            "data.shuffle=false",  # bool
+            "data.val_files=null",  # null
+            "trainer.logger=[console,file]",  # list
+            "actor_rollout_ref.rollout.algo.sde_window_range=[1,4]",
+            "trainer.experiment_name='007'",  # quoted string stays a string
+            "+trainer.total_epochs=4",  # Hydra's + prefix
+        ]
+    )
+    assert cfg.data.train_batch_size == 8
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-4
+    assert cfg.data.shuffle is False
+    assert cfg.data.val_files is None
+    assert cfg.trainer.logger == ("console", "file")
+    assert cfg.actor_rollout_ref.rollout.algo.sde_window_range == (1, 4)
+    assert cfg.trainer.experiment_name == "007"
+    assert cfg.trainer.total_epochs == 4
+
+
+def test_config_is_immutable_and_with_updates_revalidates():
+    cfg = load_config()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.trainer.total_epochs = 9  # type: ignore[misc]
+    changed = with_updates(cfg, {"trainer.total_epochs": 9})
+    assert changed.trainer.total_epochs == 9 and cfg.trainer.total_epochs == 2
+    with pytest.raises(ConfigError) as err:
+        with_updates(cfg, {"trainer.total_epochs": 0})
+    assert err.value.keys == ["trainer.total_epochs"]
+
+
+def test_derived_checkpoint_dir_is_one_property():
+    cfg = load_config(overrides=["trainer.project_name=p", "trainer.experiment_name=e"])
+    assert str(cfg.trainer.checkpoint_dir) == "checkpoints/p/e"
+    cfg = load_config(overrides=["trainer.default_local_dir=/tmp/ck"])
+    assert str(cfg.trainer.checkpoint_dir) == "/tmp/ck"
+
+
+def test_verl_reward_functions_mapping_is_accepted():
+    cfg = load_config(
+        overrides=["reward.reward_functions={jpeg: {name: jpeg_compressibility, weight: 0.5}, mine: {path: r.py, name: score, weight: 2}}"]
+    )
+    specs = cfg.reward.reward_functions
+    assert specs[0].name == "jpeg_compressibility" and specs[0].weight == 0.5
+    assert specs[1].path == "r.py" and specs[1].function == "score" and specs[1].weight == 2
+
+
+def test_json_schema_carries_descriptions_and_limits():
+    schema = OmniFlowConfig.model_json_schema()
+    text = json.dumps(schema)
+    assert "Prompts per training step" in text
+    data = schema["$defs"]["DataConfig"]["properties"]["train_batch_size"]
+    assert data["default"] == 2 and data["exclusiveMinimum"] == 0

@@ -1,0 +1,136 @@
+"""A catalog of bad configs: each is rejected, and the error names its key path."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_core.config import ConfigError, load_config
+from omni_core.device import auto_set_device
+from omni_core.trainers import get_diffusion_trainer_cls, register_diffusion_trainer
+from omni_core.validation import validate_attention_consistency, validate_config
+
+CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
+
+# (overrides, key path that the error must name, a fragment of the message)
+BAD_CONFIGS: list[tuple[list[str], str, str]] = [
+    # unknown keys, typos and unsupported verl-omni keys / values
+    (["data.trian_batch_size=4"], "data.trian_batch_size", "did you mean data.train_batch_size"),
+    (["trainer.lr=1e-4"], "trainer.lr", "actor_rollout_ref.actor.optim.lr"),
+    (["actor_rollout_ref.rollout.nn=4"], "actor_rollout_ref.rollout.nn", "did you mean actor_rollout_ref.rollout.n"),
+    (["foo.bar=1"], "foo", "unknown key; valid keys here"),
+    (["actor_rollout_ref.actor.fsdp_config.param_offload=true"], "actor_rollout_ref.actor.fsdp_config", "not supported"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM"),
+    (["actor_rollout_ref.rollout.name=vllm_omni"], "actor_rollout_ref.rollout.name", "rollout.name=diffusers"),
+    (["actor_rollout_ref.actor.strategy=fsdp2"], "actor_rollout_ref.actor.strategy", "strategy=torch"),
+    (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "not implemented"),
+    (["trainer.logger=[console,wandb]"], "trainer.logger", "network"),
+    # wrong types and single-field limits
+    (["trainer.total_epochs=abc"], "trainer.total_epochs", "integer"),
+    (["data.train_batch_size=2.5"], "data.train_batch_size", "integer"),
+    (["data.shuffle=maybe"], "data.shuffle", "boolean"),
+    (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr", "greater than 0"),
+    (["actor_rollout_ref.actor.diffusion_loss.clip_ratio=-0.1"], "actor_rollout_ref.actor.diffusion_loss.clip_ratio", "greater than 0"),
+    (["actor_rollout_ref.actor.diffusion_loss.adv_clip_max=0"], "actor_rollout_ref.actor.diffusion_loss.adv_clip_max", "greater than 0"),
+    (["actor_rollout_ref.rollout.algo.sde_type=ode"], "actor_rollout_ref.rollout.algo.sde_type", "'sde' or 'cps'"),
+    (["trainer.resume_mode=sometimes"], "trainer.resume_mode", "auto"),
+    (["data=3"], "data", "is a section"),
+    # cross-field rules (validate_config)
+    (["data.train_batch_size=7", "actor_rollout_ref.actor.ppo_mini_batch_size=2"], "data.train_batch_size", "divisible by actor_rollout_ref.actor.ppo_mini_batch_size=2; try 8"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "must divide"),
+    (["data.gen_batch_size=3", "data.train_batch_size=4"], "data.gen_batch_size", "divide"),
+    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"], "data.train_batch_size", "parameter_sync_step"),
+    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_mini_batch_size", "must equal data.train_batch_size"),
+    (["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.rollout.nnodes", "standalone rollout"),
+    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.sampler.drop_incomplete_groups=true"], "trainer.v1.sampler.drop_incomplete_groups", "only with trainer.v1.trainer_mode=sync"),
+    (["actor_rollout_ref.rollout.algo.sde_window_size=10"], "actor_rollout_ref.rollout.algo.sde_window_size", "num_inference_steps - 1 = 9"),
+    (["actor_rollout_ref.rollout.algo.sde_window_range=[3,12]"], "actor_rollout_ref.rollout.algo.sde_window_range", "0 <= start < end"),
+    (["actor_rollout_ref.rollout.algo.sde_window_range=[0,1]"], "actor_rollout_ref.rollout.algo.sde_window_range", "narrower"),
+    (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "flow_grpo"),
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "flow_grpo"),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
+    (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank", ">= 0"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"], "actor_rollout_ref.model.lora_alpha", "> 0"),
+    (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "at least 2"),
+    (["trainer.n_gpus_per_node=4"], "trainer.n_gpus_per_node", "this machine has 2"),
+    (["trainer.nnodes=2"], "trainer.nnodes", "ray_kwargs.ray_init.address"),
+    (["ray_kwargs.ray_init.num_cpus=2"], "ray_kwargs.ray_init.num_cpus", "too few logical CPUs"),
+    (["trainer.experiment_name=../../etc"], "trainer.experiment_name", "plain folder name"),
+    (["trainer.project_name=/abs/path"], "trainer.project_name", "plain folder name"),
+    (["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "must be set"),
+    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/no/such/ckpt"], "trainer.resume_from_path", "does not exist"),
+    (["trainer.use_v1=false"], "trainer.use_v1", "only the v1"),
+    (["trainer.v1.trainer_mode=turbo"], "trainer.v1.trainer_mode", "available: separate_async, sync"),
+    (["algorithm.rollout_correction.bypass_mode=true"], "algorithm.rollout_correction.bypass_mode", "calculate_log_probs=true"),
+    (["data.train_files=/no/such/prompts.parquet"], "data.train_files", "not found"),
+    (["actor_rollout_ref.model.lora_adapter_path=/x"], "actor_rollout_ref.model.lora_adapter_path", "lora_rank > 0"),
+    # attention pairing
+    (["actor_rollout_ref.model.attn_backend=_flash_3"], "actor_rollout_ref.model.attn_backend", "rollout_attn_backend=FLASH_ATTN_3"),
+    (["actor_rollout_ref.rollout.rollout_attn_backend=FLASH_ATTN"], "actor_rollout_ref.model.attn_backend", "does not pair"),
+    (["actor_rollout_ref.model.attn_backend=xformers_magic"], "actor_rollout_ref.model.attn_backend", "known: native"),
+    (["actor_rollout_ref.rollout.rollout_attn_backend=SDPA"], "actor_rollout_ref.rollout.rollout_attn_backend", "known: TORCH_SDPA"),
+]
+
+
+def _errors_of(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(overrides=overrides), device_counts=CPU_ONLY)
+    return err.value
+
+
+def test_catalog_is_large_enough():
+    assert len(BAD_CONFIGS) >= 30
+
+
+@pytest.mark.parametrize("overrides, key, fragment", BAD_CONFIGS, ids=[" ".join(c[0])[:60] for c in BAD_CONFIGS])
+def test_bad_config_is_rejected_with_its_key_path(overrides, key, fragment):
+    err = _errors_of(overrides)
+    matching = [p for p in err.problems if p.key == key]
+    assert matching, f"no problem names {key}: {err}"
+    assert any(fragment in str(p) for p in matching), str(err)
+    assert key in str(err)
+
+
+def test_default_config_is_valid():
+    validate_config(load_config(), device_counts=CPU_ONLY)
+
+
+def test_all_problems_are_reported_together():
+    err = _errors_of(["data.train_batch_size=7", "trainer.experiment_name=../x", "actor_rollout_ref.rollout.n=1"])
+    assert {"data.train_batch_size", "trainer.experiment_name", "actor_rollout_ref.rollout.n"} <= set(err.keys)
+
+
+def test_the_error_shows_the_value_given():
+    err = _errors_of(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    assert "data.train_batch_size=6: must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size=4; try 8" in str(err)
+
+
+def test_attention_pairs_that_are_valid():
+    for actor, rollout in [("native", "TORCH_SDPA"), ("_flash_3", "FLASH_ATTN_3"), ("flash", "FLASH_ATTN")]:
+        validate_attention_consistency(
+            load_config(overrides=[f"actor_rollout_ref.model.attn_backend={actor}", f"actor_rollout_ref.rollout.rollout_attn_backend={rollout}"])
+        )
+
+
+def test_auto_set_device_resolves_and_rejects_absent_devices():
+    assert auto_set_device(load_config()).trainer.device in ("cpu", "cuda", "npu")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError) as err:
+            auto_set_device(load_config(overrides=["trainer.device=cuda"]))
+        assert err.value.keys == ["trainer.device"] and "trainer.device=auto" in str(err.value)
+
+
+def test_trainer_registry():
+    assert get_diffusion_trainer_cls("sync").mode == "sync"
+    assert get_diffusion_trainer_cls("separate_async").mode == "separate_async"
+    with pytest.raises(ValueError, match="available: separate_async, sync"):
+        get_diffusion_trainer_cls("colocate_async")
+
+
+def test_registering_a_taken_mode_name_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_diffusion_trainer("sync")
+        class Other:
+            pass
