@@ -128,6 +128,9 @@ def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
     # Trainer modes.
     sa = trainer.v1.separate_async
     if mode == "separate_async":
+        from omni_core.trainers.modes import SEPARATE_ASYNC_NOT_IMPLEMENTED
+
+        p.append(ConfigProblem("trainer.v1.trainer_mode", SEPARATE_ASYNC_NOT_IMPLEMENTED.split("; ")[0] + "; use sync", mode))
         if tbs % sa.parameter_sync_step:
             p.append(
                 ConfigProblem(

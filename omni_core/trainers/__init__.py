@@ -1,13 +1,9 @@
-"""v1 diffusion trainers: the base class with its hooks, the registered modes and the registry."""
+"""v1 diffusion trainers: the registry (light), the base class with its hooks and the registered modes.
 
-from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
-from omni_core.trainers.modes import PolicyGradientDiffusionTrainerV1SeparateAsync, PolicyGradientDiffusionTrainerV1Sync
-from omni_core.trainers.registry import get_diffusion_trainer_cls, register_diffusion_trainer
+`from omni_core.trainers import get_diffusion_trainer_cls` stays light; the trainer classes (which
+import Ray and diffusers) load on first use.
+"""
 
-__all__ = [
-    "PolicyGradientDiffusionTrainerV1",
-    "PolicyGradientDiffusionTrainerV1SeparateAsync",
-    "PolicyGradientDiffusionTrainerV1Sync",
-    "get_diffusion_trainer_cls",
-    "register_diffusion_trainer",
-]
+from omni_core.trainers.registry import get_diffusion_trainer_cls, register_diffusion_trainer, registered_modes
+
+__all__ = ["get_diffusion_trainer_cls", "register_diffusion_trainer", "registered_modes"]

@@ -1,36 +1,382 @@
-"""`PolicyGradientDiffusionTrainerV1`: the base trainer and its named hooks (verl-omni's `trainer_base.py`).
+"""`PolicyGradientDiffusionTrainerV1`: the v1 controller with verl-omni's lifecycle and named hooks.
 
-A trainer mode is hooks only: subclasses registered with `@register_diffusion_trainer(name)`
-override `on_*` methods. The training loop itself arrives with the main-job issue (#4); until then
-`init` and `fit` refuse to run rather than pretend to train.
+`init(tokenizer, dataset)` -> `_setup()` (dataloader, the training actor on Ray, checkpoint resume) +
+`on_init_end()`; `fit(agent_loop_manager)` runs every epoch through `fit_epoch(epoch)`, which is a
+function of (config, epoch, checkpoint): it can run on any Ray worker, fail, and be retried. It
+finds the run's actors by name, restores the controller state from the last checkpoint written
+before the failure (reloading the actor if its weights moved past it), clears stale TransferQueue
+rows and continues. One step (sync mode) follows DESIGN.md section 1:
+
+  prompts -> TQ (pending) -> rollout workers sample + score -> replay buffer (complete groups, oldest
+  first) -> advantages -> old log-probs + PPO update in the training actor -> checkpoint -> weights to
+  the rollout side (on_step_end) -> validation -> metrics -> clear the step's rows.
+
+A trainer mode (`modes.py`) is hooks only.
 """
 
 from __future__ import annotations
 
-from omni_core.config import OmniFlowConfig
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-_NOT_YET = (
-    "the v1 training loop is not implemented yet in this version of OmniFlow (it arrives with the "
-    "main-job issue); `omniflow validate` checks a config without training"
-)
+import ray
+import torch
+
+from omni_core import checkpoint as ckpt
+from omni_core.agent_loop import AgentLoopManager, WorkerNames
+from omni_core.algorithms.registry import get_adv_estimator
+from omni_core.config import OmniFlowConfig, to_yaml
+from omni_core.data.dataloader import PromptDataLoader
+from omni_core.data.prompts import PromptRecord
+from omni_core.tq import client as tqc
+from omni_core.tq.replay_buffer import ReplayBuffer
+from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
+from omni_core.workers.rollout_worker import PromptItem
+from omni_core.workers.training_actor import TrainingActor
+
+logger = logging.getLogger("omni_core.trainer")
+
+# Every wait is bounded (DESIGN.md section 7).
+ACTOR_CALL_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Identity of one run: its id (TQ partitions, actor names), Ray namespace and output folders."""
+
+    run_id: str
+    namespace: str
+    checkpoint_dir: str
+    log_dir: str
+
+    @property
+    def names(self) -> WorkerNames:
+        return WorkerNames(self.namespace, self.run_id)
+
+    @property
+    def train_partition(self) -> str:
+        return tqc.partition_id(self.run_id, "train")
+
+    @property
+    def val_partition(self) -> str:
+        return tqc.partition_id(self.run_id, "val")
+
+
+@dataclass
+class EpochResult:
+    """What one `fit_epoch` returns to the flow (small and picklable)."""
+
+    epoch: int
+    global_step: int
+    checkpoint: str | None
+    step_metrics: list[dict[str, float]] = field(default_factory=list)
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    logs: list[str] = field(default_factory=list)
+
+
+def cpu_threads(parallel_workers: int) -> int:
+    """torch threads per busy worker so that busy threads add up to the cores (Ray would set 1)."""
+    return max(1, (os.cpu_count() or 1) // max(1, parallel_workers))
 
 
 class PolicyGradientDiffusionTrainerV1:
-    """Base v1 trainer: `init()` -> `_setup()` + `on_init_end()`, then `fit(agent_loop_manager)`."""
+    """Base v1 trainer; see the module docstring for the lifecycle."""
 
     mode: str = "base"
 
-    def __init__(self, config: OmniFlowConfig):
+    def __init__(self, config: OmniFlowConfig, run: RunInfo):
         self.config = config
+        self.run = run
+        self.actor: Any = None
+        self.agent_loop: AgentLoopManager | None = None
+        self.dataloader: PromptDataLoader | None = None
+        self.val_records: list[PromptRecord] = []
+        self.global_step = 0
+        self.resume_from: str | None = None
+        self.tracking: Tracking | None = None
+        self._logs: list[str] = []
+        # Called after every step with (global_step, total_steps, metrics); the Prefect layer updates
+        # its progress artifact here (omni_core itself knows nothing of Prefect).
+        self.step_callback: Callable[[int, int, dict[str, float]], None] | None = None
 
-    # The lifecycle verl-omni users know.
-    def init(self) -> None:
-        raise NotImplementedError(_NOT_YET)
+    # ------------------------------------------------------------------------ sizes
+    @property
+    def steps_per_epoch(self) -> int:
+        assert self.dataloader is not None
+        return self.dataloader.steps_per_epoch
 
-    def fit(self, agent_loop_manager: object) -> None:
-        raise NotImplementedError(_NOT_YET)
+    @property
+    def total_training_steps(self) -> int:
+        t = self.config.trainer
+        return t.total_training_steps or self.steps_per_epoch * t.total_epochs
 
-    # Hooks: a mode overrides what it needs.
+    @property
+    def total_epochs(self) -> int:
+        return -(-self.total_training_steps // self.steps_per_epoch)
+
+    @property
+    def start_epoch(self) -> int:
+        return self.global_step // self.steps_per_epoch
+
+    # ------------------------------------------------------------------------ init (flow process)
+    def init(self, train_records: list[PromptRecord], val_records: list[PromptRecord]) -> None:
+        """verl-omni's `init()`: `_setup()` then the mode's `on_init_end()`."""
+        self._setup(train_records, val_records)
+        self.on_init_end()
+
+    def _setup(self, train_records: list[PromptRecord], val_records: list[PromptRecord]) -> None:
+        self._init_dataloader(train_records, val_records)
+        self._init_training_actor()
+        self._load_checkpoint()
+
+    def restore_context(self, train_records: list[PromptRecord], val_records: list[PromptRecord], resume_from: str | None) -> None:
+        """Rebuild the controller in another process (a `fit_epoch` task): data, resume point, actors by name."""
+        self._init_dataloader(train_records, val_records)
+        self.resume_from = resume_from
+        self.attach()
+
+    def _init_dataloader(self, train_records: list[PromptRecord], val_records: list[PromptRecord]) -> None:
+        data = self.config.data
+        self.dataloader = PromptDataLoader(train_records, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        self.val_records = val_records
+
+    def _init_training_actor(self) -> None:
+        names = self.run.names
+        remote = ray.remote(TrainingActor)
+        self.actor = remote.options(name=names.training_actor, namespace=names.namespace, num_cpus=1, max_restarts=3).remote(
+            self.config.model_dump(mode="json"), self.total_training_steps, cpu_threads(1)
+        )
+
+    def _load_checkpoint(self) -> None:
+        """Resume point of the run (`trainer.resume_mode`); the actor is reset to it."""
+        t = self.config.trainer
+        path = ckpt.resolve_resume(t.checkpoint_dir, t.resume_mode, t.resume_from_path)
+        self.resume_from = str(path) if path else None
+        self._restore(self.resume_from)
+
+    def init_agent_loop(self) -> AgentLoopManager:
+        """verl-omni's `init_agent_loop_manager()`: the rollout workers, given the current weights."""
+        workers = self.config.actor_rollout_ref.rollout.agent.num_workers
+        self.agent_loop = AgentLoopManager.create(
+            self.config.model_dump(mode="json"), self.run.names, workers, cpu_threads(workers)
+        )
+        self._push_weights()
+        return self.agent_loop
+
+    # ------------------------------------------------------------------------ attach (any process)
+    def attach(self) -> None:
+        """Find the run's actors by name (a `fit_epoch` task on a Ray worker) and join the TQ."""
+        names = self.run.names
+        self.actor = ray.get_actor(names.training_actor, namespace=names.namespace)
+        self.agent_loop = AgentLoopManager.attach(names, self.config.actor_rollout_ref.rollout.agent.num_workers)
+        tqc.attach()
+
+    # ------------------------------------------------------------------------ restore / save
+    def _latest_of_this_run(self) -> str | None:
+        """The newest checkpoint written by this run, else the run's resume point."""
+        latest = ckpt.find_latest(self.config.trainer.checkpoint_dir)
+        if latest is not None:
+            state = ckpt.read_state(latest, "controller")
+            if state.get("run_id") == self.run.run_id or str(latest) == self.resume_from:
+                return str(latest)
+        return self.resume_from
+
+    def _restore(self, path: str | None) -> None:
+        """Controller state from `path` (None: a fresh start); the actor reloads if its weights differ."""
+        assert self.dataloader is not None
+        if path is None:
+            self.global_step = 0
+            self.dataloader.load_state_dict({**self.dataloader.state_dict(), "epoch": 0, "position": 0})
+            target = 0
+        else:
+            state = ckpt.read_state(path, "controller")
+            self.global_step = int(state["global_step"])
+            self.dataloader.load_state_dict(ckpt.read_state(path, "dataloader"))
+            ckpt.restore_rng_state(ckpt.read_state(path, "rng"))
+            target = self.global_step
+        version = ray.get(self.actor.get_version.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
+        if version != target or path is None and version != 0:
+            ray.get(self.actor.reset.remote(path), timeout=ACTOR_CALL_TIMEOUT_S)
+            self._log(f"training actor reset to {'step ' + str(target) if path else 'the base model'} (its weights were at step {version})")
+
+    def _save_checkpoint(self) -> str:
+        t = self.config.trainer
+        root = t.checkpoint_dir
+        with ckpt.CheckpointWriter(root, self.global_step) as writer:
+            ray.get(self.actor.save.remote(str(writer.tmp)), timeout=ACTOR_CALL_TIMEOUT_S)
+            assert self.dataloader is not None
+            writer.write_state("dataloader", self.dataloader.state_dict())
+            writer.write_state("controller", {"global_step": self.global_step, "run_id": self.run.run_id})
+            writer.write_state("rng", ckpt.capture_rng_state())
+            writer.write_config(to_yaml(self.config))
+            path = writer.commit()
+        # Never delete the checkpoint a running epoch may restart from (its start).
+        epoch_start = (self.global_step - 1) // self.steps_per_epoch * self.steps_per_epoch
+        ckpt.apply_retention(root, t.max_actor_ckpt_to_keep, protect={epoch_start})
+        self._log(f"checkpoint saved: {path}")
+        return str(path)
+
+    # ------------------------------------------------------------------------ fit
+    def fit(self, agent_loop_manager: AgentLoopManager | None = None) -> list[EpochResult]:
+        """The whole training loop in this process (library use; the flow runs `fit_epoch` per epoch)."""
+        if agent_loop_manager is not None:
+            self.agent_loop = agent_loop_manager
+        return [self.fit_epoch(epoch) for epoch in range(self.start_epoch, self.total_epochs)]
+
+    def fit_epoch(self, epoch: int) -> EpochResult:
+        """Train epoch `epoch` from the last checkpoint written before now; save at its end."""
+        self._logs = []
+        self._restore(self._latest_of_this_run())
+        for partition in (self.run.train_partition, self.run.val_partition):
+            stale = tqc.clear_partition(partition)
+            if stale:
+                self._log(f"cleared {stale} stale TransferQueue rows of {partition}")
+        self._push_weights()
+        result = EpochResult(epoch=epoch, global_step=self.global_step, checkpoint=None)
+        self.tracking = Tracking(self.config.trainer.logger, self.run.log_dir, self.total_training_steps)
+        try:
+            if self.global_step == 0 and epoch == 0:
+                self.on_train_begin()
+                if self.config.trainer.val_before_train or self.config.trainer.val_only:
+                    result.val_metrics = self._validate()
+                    self.tracking.log(result.val_metrics, step=0)
+                if self.config.trainer.val_only:
+                    return result
+            last_step = min((epoch + 1) * self.steps_per_epoch, self.total_training_steps)
+            while self.global_step < last_step:
+                metrics = self.step()
+                result.step_metrics.append(metrics)
+            result.checkpoint = self._save_checkpoint()
+            if self.global_step >= self.total_training_steps:
+                self.on_train_end()
+        finally:
+            self.tracking.close()
+            result.global_step = self.global_step
+            result.logs = self._logs
+        return result
+
+    def step(self) -> dict[str, float]:
+        """One training step (see the module docstring); returns its metrics."""
+        assert self.dataloader is not None and self.agent_loop is not None and self.tracking is not None
+        self.global_step += 1
+        step, timer = self.global_step, Timer()
+        t = self.config.trainer
+        self.on_step_begin()
+        with timer("step"):
+            records = self.dataloader.next_batch()
+            items = _prompt_items(records, step)
+            with timer("gen"):
+                self.on_sample_begin()
+                batch = self._rollout(self.run.train_partition, items, step, validate=False)
+                self.on_sample_end()
+            keys = batch.trajectory_keys
+            rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
+            with timer("adv"):
+                rewards, failed, group = rows["rewards"].float(), rows["failed"].bool(), rows["prompt_index"].long()
+                advantages = torch.zeros_like(rewards)
+                ok = ~failed
+                estimator = get_adv_estimator(self.config.algorithm.adv_estimator)
+                advantages[ok] = estimator(
+                    rewards[ok],
+                    group[ok],
+                    norm_adv_by_std=self.config.algorithm.norm_adv_by_std_in_grpo,
+                    global_std=self.config.algorithm.global_std,
+                )
+            actor_metrics = ray.get(
+                self.actor.train_step.remote(self.run.train_partition, keys, advantages, step), timeout=ACTOR_CALL_TIMEOUT_S
+            )
+            for name in ("old_log_prob", "update_actor"):
+                timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")
+            metrics: dict[str, float] = {**actor_metrics, **data_metrics(rewards[ok], advantages[ok], group[ok])}
+            metrics["training/rollout_failure/failed_groups"] = float(len(batch.failed_uids))
+            if t.save_freq > 0 and step % t.save_freq == 0 and step % self.steps_per_epoch:
+                with timer("save_checkpoint"):
+                    self._save_checkpoint()
+            with timer("update_weights"):
+                self.on_step_end()
+            if t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_training_steps):
+                with timer("testing"):
+                    metrics.update(self._validate())
+            tqc.clear(self.run.train_partition, keys)
+        metrics.update(timing_metrics(timer.timing, len(keys)))
+        metrics["training/global_step"] = float(step)
+        self._drain_worker_logs()
+        self.tracking.log(metrics, step=step)
+        if self.step_callback is not None:
+            self.step_callback(step, self.total_training_steps, metrics)
+        return metrics
+
+    def _rollout(self, partition: str, items: list[PromptItem], step: int, validate: bool):
+        """Put prompts, dispatch them, and wait (bounded) for their complete groups."""
+        assert self.agent_loop is not None
+        tqc.put_prompts(partition, [it.uid for it in items], step)
+        self.agent_loop.generate_sequences(partition, items, step, validate=validate)
+        rollout = self.config.actor_rollout_ref.rollout
+        buffer = ReplayBuffer(partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive)
+        batch = buffer.sample(len(items), step, rollout.val_kwargs.n if validate else rollout.n)
+        for uid, reason in batch.failed_uids.items():
+            self._log(f"step {step}: prompt group {uid} failed: {reason}")
+        expected = len(items) * (rollout.val_kwargs.n if validate else rollout.n)
+        if len(batch.trajectory_keys) != expected:
+            raise RuntimeError(
+                f"step {step}: rollout returned {len(batch.trajectory_keys)} of {expected} samples; failed groups: "
+                f"{batch.failed_uids}"
+            )
+        return batch
+
+    def _validate(self) -> dict[str, float]:
+        """Validation images at noise 0 (`rollout.val_kwargs`); mean reward per data_source."""
+        if not self.val_records:
+            return {}
+        self.on_validate_begin()
+        items = [
+            PromptItem(
+                uid=f"val-{self.global_step:06d}-{i:04d}",
+                index=i,
+                prompt=r.prompt,
+                negative_prompt=r.negative_prompt,
+                data_source=r.data_source,
+                ground_truth=r.ground_truth,
+                extra_info=dict(r.extra_info),
+            )
+            for i, r in enumerate(self.val_records)
+        ]
+        batch = self._rollout(self.run.val_partition, items, self.global_step, validate=True)
+        rows = tqc.get_trajectories(self.run.val_partition, batch.trajectory_keys, select_fields=["rewards", "failed", "data_source"])
+        tqc.clear(self.run.val_partition, batch.trajectory_keys)
+        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
+        metrics: dict[str, float] = {}
+        for source in sorted(set(rows["data_source"])):
+            mask = torch.tensor([s == source for s in rows["data_source"]]) & ~rows["failed"].bool()
+            if mask.any():
+                metrics[f"val-core/{source}/reward/mean@{n}"] = rows["rewards"][mask].float().mean().item()
+        self.on_validate_end()
+        self._drain_worker_logs()
+        return metrics
+
+    def _push_weights(self) -> None:
+        """Send the actor's weights to every rollout worker (an object-store ref, fetched once per worker)."""
+        if self.agent_loop is None:
+            return
+        weights = self.actor.get_weights.remote()
+        self.agent_loop.update_weights(weights, self.global_step)
+
+    # ------------------------------------------------------------------------ logs
+    def _log(self, message: str) -> None:
+        logger.info(message)
+        self._logs.append(message)
+
+    def _drain_worker_logs(self) -> None:
+        assert self.agent_loop is not None
+        for line in self.agent_loop.drain_logs():
+            self._log(line)
+
+    # ------------------------------------------------------------------------ hooks
     def on_init_end(self) -> None: ...
     def on_train_begin(self) -> None: ...
     def on_train_end(self) -> None: ...
@@ -40,3 +386,28 @@ class PolicyGradientDiffusionTrainerV1:
     def on_step_end(self) -> None: ...
     def on_sample_begin(self) -> None: ...
     def on_sample_end(self) -> None: ...
+
+
+def _prompt_items(records: list[PromptRecord], step: int) -> list[PromptItem]:
+    """Deterministic uids from (step, position): sortable, reproducible, never uuid4."""
+    return [
+        PromptItem(
+            uid=f"{step:06d}-{i:04d}",
+            index=i,
+            prompt=r.prompt,
+            negative_prompt=r.negative_prompt,
+            data_source=r.data_source,
+            ground_truth=r.ground_truth,
+            extra_info=dict(r.extra_info),
+        )
+        for i, r in enumerate(records)
+    ]
+
+
+def checkpoint_file_summary(path: str | Path) -> dict[str, Any]:
+    """Path, step, size and sha256 of a checkpoint (for the epoch's markdown artifact)."""
+    return ckpt.checkpoint_summary(path)
+
+
+def wall_clock() -> float:
+    return time.time()

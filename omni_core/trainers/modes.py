@@ -1,9 +1,14 @@
-"""The registered trainer modes: `sync` and `separate_async` (verl-omni's `trainer_sync.py` / `trainer_separate_async.py`)."""
+"""The registered trainer modes (verl-omni's `trainer_sync.py` / `trainer_separate_async.py`): hooks only."""
 
 from __future__ import annotations
 
 from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
 from omni_core.trainers.registry import register_diffusion_trainer
+
+SEPARATE_ASYNC_NOT_IMPLEMENTED = (
+    "trainer.v1.trainer_mode=separate_async is registered but its rollout pool and staleness control are not "
+    "implemented yet in OmniFlow; use trainer.v1.trainer_mode=sync"
+)
 
 
 @register_diffusion_trainer("sync")
@@ -12,9 +17,18 @@ class PolicyGradientDiffusionTrainerV1Sync(PolicyGradientDiffusionTrainerV1):
 
     mode = "sync"
 
+    def on_step_end(self) -> None:
+        self._push_weights()
+
 
 @register_diffusion_trainer("separate_async")
 class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrainerV1):
-    """Standalone rollout workers, weights pushed every `parameter_sync_step` steps, bounded staleness."""
+    """Standalone rollout workers, weights pushed every `parameter_sync_step` steps, bounded staleness.
+
+    Not implemented yet: it refuses to start rather than run sync under another name.
+    """
 
     mode = "separate_async"
+
+    def init(self, *args, **kwargs) -> None:
+        raise NotImplementedError(SEPARATE_ASYNC_NOT_IMPLEMENTED)

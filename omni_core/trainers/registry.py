@@ -13,6 +13,10 @@ T = TypeVar("T", bound=type)
 
 DIFFUSION_TRAINER_REGISTRY: dict[str, type] = {}
 
+# The modes `omni_core.trainers.modes` registers, known without importing it (it pulls in Ray and
+# diffusers), so that `validate_config` stays fast and light.
+BUILTIN_MODES = ("separate_async", "sync")
+
 
 def register_diffusion_trainer(name: str) -> Callable[[T], T]:
     """Class decorator: register a trainer class under the mode name users type."""
@@ -27,13 +31,14 @@ def register_diffusion_trainer(name: str) -> Callable[[T], T]:
 
 
 def registered_modes() -> list[str]:
-    import omni_core.trainers  # noqa: F401  (registers the built-in modes)
-
-    return sorted(DIFFUSION_TRAINER_REGISTRY)
+    """Built-in modes plus any registered so far (without importing the trainer classes)."""
+    return sorted(set(BUILTIN_MODES) | set(DIFFUSION_TRAINER_REGISTRY))
 
 
 def get_diffusion_trainer_cls(name: str) -> type:
     """The trainer class registered as `name`; an unknown name lists the registered modes."""
+    import omni_core.trainers.modes  # noqa: F401  (registers the built-in modes)
+
     modes = registered_modes()
     if name not in DIFFUSION_TRAINER_REGISTRY:
         raise ValueError(f"unknown trainer mode {name!r} (trainer.v1.trainer_mode); available: {', '.join(modes)}")

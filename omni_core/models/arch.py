@@ -1,0 +1,217 @@
+"""What differs between the supported pipelines: latent layout, timestep schedule, text conditioning,
+the transformer call and VAE decoding.
+
+``FlowPolicy`` is written once against ``ArchAdapter``; each adapter mirrors the corresponding diffusers
+pipeline's ``__call__`` (StableDiffusion3Pipeline, FluxPipeline) step by step, so that rollout through
+OmniFlow gives the images the diffusers pipeline would give for the same latents.
+
+Latent layouts (fp32, batch first): SD3 ``[B, C, h, w]`` (C = 16, h = H / vae_scale_factor); FLUX is
+stored *packed* as ``[B, N, C*4]`` with ``N = (h/2)*(w/2)`` (2x2 latent patches folded into channels),
+the layout its transformer consumes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline, FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+
+def _shift_mu(scheduler, image_seq_len: int) -> float:
+    cfg = scheduler.config
+    return calculate_shift(
+        image_seq_len,
+        cfg.get("base_image_seq_len", 256),
+        cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5),
+        cfg.get("max_shift", 1.15),
+    )
+
+
+class ArchAdapter:
+    """Base: pixel size -> latent grid; shared decode to uint8."""
+
+    name = "base"
+    #: key names of the cond dict (positive; the negatives are prefixed with ``negative_``)
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def __init__(self, pipe: DiffusionPipeline):
+        self.pipe = pipe
+        self.vae_scale_factor = int(pipe.vae_scale_factor)
+        self.latent_channels = int(pipe.vae.config.latent_channels)
+
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        f = self.vae_scale_factor
+        if height % f or width % f:
+            raise ValueError(f"height={height}, width={width} must be divisible by the VAE scale factor {f}")
+        return height // f, width // f
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Per-sample shape of the Gaussian noise drawn for a new sample (before any packing)."""
+        return self.latent_shape(height, width)
+
+    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return noise
+
+    def to_spatial(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return latents
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        raise NotImplementedError
+
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+        raise NotImplementedError
+
+    def encode(self, prompts, negative_prompts, max_sequence_length: int, do_cfg: bool, device) -> dict:
+        raise NotImplementedError
+
+    def forward(self, transformer, latents, timesteps, cond: dict, guidance_scale: float, height, width):
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Latents -> uint8 images ``[B, 3, H, W]`` (the pipelines' postprocess, without PIL)."""
+        vae = self.pipe.vae
+        z = self.to_spatial(latents.float(), height, width)
+        z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        image = vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
+        return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+class SD3Adapter(ArchAdapter):
+    """StableDiffusion3Pipeline: spatial latents, three text encoders, timestep in [0, 1000]."""
+
+    name = "sd3"
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.latent_channels, *self.latent_hw(height, width))
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        h, w = self.latent_hw(height, width)
+        p = self.pipe.transformer.config.patch_size
+        return (h // p) * (w // p)
+
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", False):  # SD3.5-style configs
+            kwargs["mu"] = _shift_mu(scheduler, self.image_seq_len(height, width))
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+
+    def encode(self, prompts, negative_prompts, max_sequence_length, do_cfg, device) -> dict:
+        pos, neg, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            do_classifier_free_guidance=do_cfg,
+            negative_prompt=negative_prompts,
+            max_sequence_length=max_sequence_length,
+        )
+        cond = {"prompt_embeds": pos, "pooled_prompt_embeds": pooled}
+        if do_cfg:
+            cond |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
+        return cond
+
+    def forward(self, transformer, latents, timesteps, cond, guidance_scale, height, width):
+        return transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
+
+
+class FluxAdapter(ArchAdapter):
+    """FluxPipeline: packed latents, CLIP pooled + T5 sequence, timestep in [0, 1], guidance embedding."""
+
+    name = "flux"
+
+    def _grid(self, height: int | None, width: int | None, num_tokens: int | None = None) -> tuple[int, int]:
+        """Latent grid (h, w) before packing; pixel size may be omitted for square images."""
+        if height is None or width is None:
+            side = math.isqrt(num_tokens)
+            if side * side != num_tokens:
+                raise ValueError(f"{num_tokens} packed tokens are not square: pass height and width")
+            return 2 * side, 2 * side
+        f = self.vae_scale_factor * 2  # FluxPipeline: 2 * (H // (vae_scale_factor * 2))
+        if height % f or width % f:
+            raise ValueError(f"height={height}, width={width} must be divisible by {f} for FLUX")
+        return 2 * (height // f), 2 * (width // f)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        h, w = self._grid(height, width)
+        return ((h // 2) * (w // 2), self.latent_channels * 4)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        return self.latent_shape(height, width)[0]
+
+    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        b, c, h, w = noise.shape
+        return FluxPipeline._pack_latents(noise, b, c, h, w)
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.latent_channels, *self._grid(height, width))
+
+    def to_spatial(self, latents: torch.Tensor, height: int | None, width: int | None) -> torch.Tensor:
+        h, w = self._grid(height, width, latents.shape[1])
+        f = self.vae_scale_factor
+        return FluxPipeline._unpack_latents(latents, h * f, w * f, f)
+
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = _shift_mu(scheduler, self.image_seq_len(height, width))
+        scheduler.set_timesteps(sigmas=sigmas, device="cpu", **kwargs)
+
+    def encode(self, prompts, negative_prompts, max_sequence_length, do_cfg, device) -> dict:
+        pos, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=device, max_sequence_length=max_sequence_length
+        )
+        cond = {"prompt_embeds": pos, "pooled_prompt_embeds": pooled}
+        if do_cfg:
+            negs = negative_prompts if negative_prompts is not None else [""] * len(prompts)
+            neg, neg_pooled, _ = self.pipe.encode_prompt(
+                prompt=negs, prompt_2=None, device=device, max_sequence_length=max_sequence_length
+            )
+            cond |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
+        return cond
+
+    def forward(self, transformer, latents, timesteps, cond, guidance_scale, height, width):
+        h, w = self._grid(height, width, latents.shape[1])
+        embeds = cond["prompt_embeds"]
+        img_ids = FluxPipeline._prepare_latent_image_ids(None, h // 2, w // 2, latents.device, embeds.dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=embeds.dtype)
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:  # guidance-distilled (FLUX.1-dev style)
+            guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device)
+        return transformer(
+            hidden_states=latents,
+            timestep=timesteps / 1000,
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"],
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+
+
+ADAPTERS: dict[str, type[ArchAdapter]] = {
+    "StableDiffusion3Pipeline": SD3Adapter,
+    "FluxPipeline": FluxAdapter,
+}
+
+
+def adapter_for(pipe: DiffusionPipeline) -> ArchAdapter:
+    name = type(pipe).__name__
+    if name not in ADAPTERS:
+        raise ValueError(f"no architecture adapter for {name}; supported: {sorted(ADAPTERS)}")
+    return ADAPTERS[name](pipe)

@@ -1,0 +1,103 @@
+"""Load a saved diffusers pipeline from a local directory, the one way OmniFlow loads models.
+
+Owns: architecture resolution (``model_index.json``'s ``_class_name`` or an explicit name), the list
+of supported pipelines, clear errors (``ModelLoadError``) that name the path and the problem, and
+freezing of everything that is not trained (text encoders, VAE). The transformer is left as loaded;
+``FlowPolicy`` decides what in it is trainable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+
+# Keyed by the pipeline class name written in model_index.json.
+SUPPORTED_PIPELINES: dict[str, type[DiffusionPipeline]] = {
+    "StableDiffusion3Pipeline": StableDiffusion3Pipeline,
+    "FluxPipeline": FluxPipeline,
+}
+# Short names a user may type in ``actor_rollout_ref.model.architecture``.
+ARCHITECTURE_ALIASES: dict[str, str] = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+
+
+class ModelLoadError(ValueError):
+    """A model directory could not be loaded; the message names the path and the problem."""
+
+
+def resolve_architecture(architecture: str) -> str:
+    """Map ``"sd3"`` / ``"flux"`` / a pipeline class name to the supported pipeline class name."""
+    name = ARCHITECTURE_ALIASES.get(architecture.lower(), architecture)
+    if name not in SUPPORTED_PIPELINES:
+        choices = sorted(SUPPORTED_PIPELINES) + sorted(ARCHITECTURE_ALIASES)
+        raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {choices}")
+    return name
+
+
+def read_model_index(path: Path) -> dict:
+    index_file = path / "model_index.json"
+    if not index_file.is_file():
+        raise ModelLoadError(f"{path}: no model_index.json; expected a diffusers pipeline directory written by save_pretrained")
+    try:
+        return json.loads(index_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{index_file}: not valid JSON ({err})") from err
+
+
+def _check_components(path: Path, index: dict) -> None:
+    # Entries like "vae": ["diffusers", "AutoencoderKL"] are components saved in a sub-folder;
+    # [null, null] marks an optional component that is absent on purpose.
+    missing = [
+        name
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and value[0] is not None and not (path / name).is_dir()
+    ]
+    if missing:
+        raise ModelLoadError(f"{path}: component folder(s) missing: {missing} (listed in model_index.json)")
+
+
+def freeze_non_trainable(pipe: DiffusionPipeline) -> None:
+    """Text encoders and the VAE are never trained: no grads, eval mode."""
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False)
+            module.eval()
+
+
+def load_pipeline(
+    path: str | Path,
+    architecture: str | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+) -> DiffusionPipeline:
+    """Load the pipeline saved in ``path`` (local only) and freeze its text encoders and VAE.
+
+    ``architecture`` (``"sd3"``, ``"flux"``, a pipeline class name, or None / ``"auto"`` to read
+    ``model_index.json``) must agree with the saved ``_class_name`` when both are given.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    index = read_model_index(path)
+    saved = index.get("_class_name")
+    if architecture is None or architecture.lower() == "auto":
+        if saved is None:
+            raise ModelLoadError(f"{path / 'model_index.json'} has no _class_name; pass the architecture explicitly")
+        name = resolve_architecture(saved)
+    else:
+        name = resolve_architecture(architecture)
+        if saved is not None and saved != name:
+            raise ModelLoadError(
+                f"{path}: architecture={architecture!r} ({name}) does not match model_index.json _class_name={saved!r}"
+            )
+    _check_components(path, index)
+    try:
+        pipe = SUPPORTED_PIPELINES[name].from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    except Exception as err:  # corrupt safetensors, bad configs, ...: one error type naming the path
+        raise ModelLoadError(f"{path}: failed to load {name}: {type(err).__name__}: {err}") from err
+    freeze_non_trainable(pipe)
+    return pipe

@@ -1,0 +1,217 @@
+"""``FlowPolicy``: a loaded diffusers pipeline seen as an RL policy over denoising steps.
+
+Owns the trainable transformer (full fine-tuning or peft LoRA), the reference policy (LoRA disabled, or a
+lazily made frozen copy), the attention backend and gradient checkpointing switches, prompt encoding
+into a row-sliceable "cond" dict, one velocity forward (with batched CFG), latent noise, the timestep
+schedule, decoding to uint8 images, and saving / loading what is trained. Architecture details live in
+``omni_core.models.arch``; the SDE math in ``omni_core.sde``; the rollout loop in ``omni_core.rollout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+
+from omni_core.models import lora
+from omni_core.models.arch import adapter_for
+from omni_core.models.loader import load_pipeline
+from omni_core.sde import Generators, randn_per_sample
+
+
+class FlowPolicy:
+    """A text-to-image flow-matching policy: the pipeline's transformer is the only trained module.
+
+    ``lora_rank=0`` means full fine-tuning. ``target_modules`` is a list of module names or
+    ``"all-linear"``. ``lora_adapter_path`` attaches an existing adapter (diffusers LoRA file or peft dir)
+    instead of a fresh one. ``attn_backend`` is a diffusers attention-dispatcher backend name (``"native"``
+    = torch SDPA); transformers whose processors do not go through the dispatcher (SD3 in diffusers 0.42)
+    keep torch SDPA whatever the name.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        architecture: str | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
+        lora_init_weights: str | bool = "gaussian",
+        target_modules: list[str] | str = "all-linear",
+        lora_adapter_path: str | Path | None = None,
+        enable_gradient_checkpointing: bool = False,
+        attn_backend: str = "native",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.pipeline = load_pipeline(path, architecture, torch_dtype=dtype).to(self.device)
+        self.arch = adapter_for(self.pipeline)
+        self.scheduler = self.pipeline.scheduler
+        self.base_transformer = self.pipeline.transformer
+        self.lora_config = None
+        self._reference: torch.nn.Module | None = None
+
+        if lora_rank or lora_adapter_path:
+            self.base_transformer.requires_grad_(False)
+            fresh = lora.build_lora_config(lora_rank or 8, lora_alpha, lora_init_weights, target_modules)
+            if lora_adapter_path:
+                model = lora.load_lora_adapter(self.base_transformer, lora_adapter_path, type(self.pipeline), fresh)
+            else:
+                model = lora.apply_lora(self.base_transformer, fresh)
+            self.transformer: torch.nn.Module = model
+            self.lora_config = model.peft_config[model.active_adapter]
+        else:
+            self.base_transformer.requires_grad_(True)
+            self.transformer = self.base_transformer
+
+        if enable_gradient_checkpointing:
+            self.base_transformer.enable_gradient_checkpointing()
+        self.attn_backend = attn_backend
+        self._set_attention_backend(attn_backend)
+
+    @classmethod
+    def from_model_config(cls, model_cfg, **overrides) -> FlowPolicy:
+        """Build from a config section with the constructor's attribute names (``actor_rollout_ref.model``)."""
+        kwargs = dict(
+            architecture=model_cfg.architecture,
+            lora_rank=model_cfg.lora_rank,
+            lora_alpha=model_cfg.lora_alpha,
+            lora_init_weights=getattr(model_cfg, "lora_init_weights", "gaussian"),
+            target_modules=model_cfg.target_modules,
+            lora_adapter_path=model_cfg.lora_adapter_path,
+            enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+            attn_backend=model_cfg.attn_backend,
+        )
+        kwargs.update(overrides)
+        return cls(model_cfg.path, **kwargs)
+
+    # ----------------------------------------------------------------------------- set-up helpers
+    def _set_attention_backend(self, name: str) -> None:
+        setter = getattr(self.base_transformer, "set_attention_backend", None)
+        if setter is None:
+            if name != "native":
+                raise ValueError(f"attn_backend={name!r}: this diffusers version has no attention dispatcher")
+            return
+        try:
+            setter(name)
+        except Exception as err:  # unknown name, missing kernel package, unsupported device
+            raise ValueError(f"attn_backend={name!r} could not be set on {type(self.base_transformer).__name__}: {err}") from err
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_config is not None
+
+    def ensure_reference(self) -> None:
+        """Make the frozen reference model if one is needed (full fine-tuning only; LoRA disables adapters)."""
+        if not self.is_lora and self._reference is None:
+            self._reference = copy.deepcopy(self.base_transformer).requires_grad_(False).eval()
+
+    # ----------------------------------------------------------------------------- prompts / latents
+    @torch.no_grad()
+    def encode_prompts(
+        self,
+        prompts: list[str],
+        negative_prompts: list[str] | None = None,
+        max_sequence_length: int = 128,
+        do_cfg: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """The cond dict: ``prompt_embeds [B, L, D]``, ``pooled_prompt_embeds [B, P]`` and, with ``do_cfg``,
+        the same keys prefixed ``negative_`` (empty-string negatives when none are given)."""
+        if negative_prompts is not None and len(negative_prompts) != len(prompts):
+            raise ValueError(f"{len(negative_prompts)} negative prompts for {len(prompts)} prompts")
+        cond = self.arch.encode(list(prompts), negative_prompts, max_sequence_length, do_cfg, self.device)
+        return {k: v.detach() for k, v in cond.items()}
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Per-sample latent shape: SD3 ``(C, H/f, W/f)``; FLUX packed ``(H/2f * W/2f, 4C)``."""
+        return self.arch.latent_shape(height, width)
+
+    def prepare_latents(self, batch: int, height: int, width: int, generator: Generators = None) -> torch.Tensor:
+        """Initial noise ``[B, *latent_shape]`` fp32; a list of generators gives row ``i`` from ``generator[i]``."""
+        noise = randn_per_sample((batch, *self.arch.noise_shape(height, width)), generator, self.device)
+        return self.arch.noise_to_latents(noise, height, width)
+
+    def set_timesteps(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Configure ``self.scheduler`` as the pipeline would; returns fp32 CPU ``timesteps [T]``, ``sigmas [T+1]``
+        (``timesteps = sigmas[:-1] * num_train_timesteps``, ``sigmas[-1] = 0``)."""
+        self.arch.set_timesteps(self.scheduler, num_steps, height, width)
+        return self.scheduler.timesteps.float().cpu(), self.scheduler.sigmas.float().cpu()
+
+    def decode(self, latents: torch.Tensor, height: int | None = None, width: int | None = None) -> torch.Tensor:
+        """uint8 images ``[B, 3, H, W]``; FLUX needs ``height``/``width`` for non-square images."""
+        return self.arch.decode(latents.to(self.device), height, width)
+
+    # ----------------------------------------------------------------------------- forward
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: dict[str, torch.Tensor],
+        guidance_scale: float = 1.0,
+        use_reference: bool = False,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """Predicted velocity ``[B, *latent_shape]`` (fp32) at per-sample ``timesteps [B]`` (scheduler units).
+
+        CFG runs as one batched forward ``[negative; positive]`` when ``cond`` holds negatives and
+        ``guidance_scale > 1``; for a guidance-distilled FLUX transformer ``guidance_scale`` also feeds the
+        guidance embedding. ``use_reference=True`` evaluates the reference policy under ``no_grad``.
+        """
+        batch = latents.shape[0]
+        do_cfg = guidance_scale > 1.0 and "negative_prompt_embeds" in cond
+        x = latents.to(self.device, self.dtype)
+        t = torch.as_tensor(timesteps, device=self.device).float().reshape(-1).expand(batch)
+        fwd_cond = {k: cond[k].to(self.device, self.dtype) for k in self.arch.cond_keys}
+        if do_cfg:
+            fwd_cond = {k: torch.cat([cond["negative_" + k].to(self.device, self.dtype), v]) for k, v in fwd_cond.items()}
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+
+        model, adapter_ctx, grad_ctx = self.transformer, contextlib.nullcontext(), contextlib.nullcontext()
+        if use_reference:
+            grad_ctx = torch.no_grad()
+            if self.is_lora:
+                adapter_ctx = self.transformer.disable_adapter()
+            else:
+                self.ensure_reference()
+                model = self._reference
+        with adapter_ctx, grad_ctx:
+            out = self.arch.forward(model, x, t.to(self.dtype), fwd_cond, guidance_scale, height, width).float()
+        if do_cfg:
+            uncond, cond_out = out.chunk(2)
+            out = uncond + guidance_scale * (cond_out - uncond)
+        return out
+
+    # ----------------------------------------------------------------------------- trainable state
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def named_trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.transformer.named_parameters() if p.requires_grad}
+
+    def state_dict_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        """LoRA: adapter weights only (peft keys); full: the whole transformer state dict."""
+        if self.is_lora:
+            return {k: v.detach().clone() for k, v in lora.lora_state(self.transformer).items()}
+        return {k: v.detach().clone() for k, v in self.base_transformer.state_dict().items()}
+
+    def load_trainable_state(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Inverse of ``state_dict_for_checkpoint`` (strict: mismatched keys raise)."""
+        if self.is_lora:
+            lora.load_lora_state(self.transformer, state_dict)
+        else:
+            self.base_transformer.load_state_dict(state_dict, strict=True)
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """LoRA: ``out_dir/pytorch_lora_weights.safetensors`` (``pipeline.load_lora_weights(out_dir)`` reads
+        it); full: the transformer in diffusers format (``config.json`` + safetensors) in ``out_dir``."""
+        out = Path(out_dir)
+        if self.is_lora:
+            lora.save_lora_adapter(self.transformer, out, type(self.pipeline))
+        else:
+            self.base_transformer.save_pretrained(out, safe_serialization=True)
+        return out

@@ -1,0 +1,222 @@
+"""Batched rollout with per-step log-probs (training) and deterministic sampling (validation).
+
+Follows flow_grpo's ``pipeline_with_logprob`` loop (yifan123/flow_grpo) with its newer SDE windows
+(``sde_window_size`` / ``sde_window_range``, as in Flow-GRPO-Fast / MixGRPO): each sample uses the SDE
+step inside its own window and the deterministic Euler (ODE) step outside it, and only the window is
+recorded. Every sample owns a CPU ``torch.Generator`` seeded with ``derive_sample_seed``; its initial
+noise, its window start and its step noise all come from that generator, so a sample reproduced alone
+(same four seed numbers) starts from bit-identical latents and follows the same window and noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from omni_core.models.policy import FlowPolicy
+from omni_core.rollout.trajectory import Trajectory
+from omni_core.sde import sample_sde_windows, sde_step_from_sigmas, window_length
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def derive_sample_seed(base_seed: int, global_step: int, prompt_index: int, sample_index: int) -> int:
+    """63-bit seed of one sample: the first 8 bytes (big-endian) of
+    ``sha256(f"omniflow-sample-seed-v1:{base_seed}:{global_step}:{prompt_index}:{sample_index}")``,
+    masked to 63 bits. Hash-derived, so distinct tuples do not collide the way ``base + i`` schemes do
+    (verl-omni #561), and the value does not depend on the batch a sample was generated in."""
+    key = f"omniflow-sample-seed-v1:{int(base_seed)}:{int(global_step)}:{int(prompt_index)}:{int(sample_index)}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") & _SEED_MASK
+
+
+def _generators(seeds: Sequence[int]) -> list[torch.Generator]:
+    return [torch.Generator("cpu").manual_seed(s) for s in seeds]
+
+
+def _use_cfg(policy: FlowPolicy, guidance_scale: float, negative_prompts) -> bool:
+    # A guidance-distilled transformer (FLUX.1-dev) takes guidance_scale in its embedding; true CFG then
+    # runs only when negative prompts are given, as in FluxPipeline's ``true_cfg_scale``.
+    distilled = bool(getattr(policy.base_transformer.config, "guidance_embeds", False))
+    return guidance_scale > 1.0 and (negative_prompts is not None or not distilled)
+
+
+@torch.no_grad()
+def generate(
+    policy: FlowPolicy,
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str] | None = None,
+    *,
+    n: int,
+    seed: int,
+    global_step: int,
+    prompt_indices: Sequence[int] | None = None,
+    height: int,
+    width: int,
+    num_inference_steps: int,
+    guidance_scale: float = 1.0,
+    noise_level: float = 0.7,
+    sde_type: str = "sde",
+    sde_window_size: int | None = None,
+    sde_window_range: Sequence[int] | None = None,
+    max_sequence_length: int = 128,
+    calculate_log_probs: bool = True,
+    first_sample_index: int = 0,
+) -> Trajectory:
+    """Generate ``n`` samples per prompt (B = len(prompts) * n, grouped prompt by prompt).
+
+    ``prompt_indices`` (default ``0..P-1``) are the prompts' dataset indices used in the seeds and stored
+    as the group id; samples get ``sample_index`` ``first_sample_index .. first_sample_index + n - 1``
+    (a group may be split across calls). Returns the SDE window of every sample (see ``Trajectory``).
+    """
+    prompts = list(prompts)
+    if prompt_indices is None:
+        prompt_indices = list(range(len(prompts)))
+    if len(prompt_indices) != len(prompts):
+        raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompts)} prompts")
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    device = policy.device
+    prompt_index = torch.tensor(prompt_indices, dtype=torch.long).repeat_interleave(n)
+    sample_index = torch.arange(first_sample_index, first_sample_index + n).repeat(len(prompts))
+    seeds = [derive_sample_seed(seed, global_step, int(p), int(s)) for p, s in zip(prompt_index, sample_index, strict=True)]
+    gens = _generators(seeds)
+    batch = len(seeds)
+
+    do_cfg = _use_cfg(policy, guidance_scale, negative_prompts)
+    negs = list(negative_prompts) if negative_prompts is not None else None
+    cond = policy.encode_prompts(prompts, negs, max_sequence_length, do_cfg)
+    cond = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
+
+    # Draw order per generator: initial noise, window start, then one noise tensor per step.
+    latents = policy.prepare_latents(batch, height, width, gens)
+    num_window = window_length(num_inference_steps, sde_window_size)
+    start = sample_sde_windows(num_inference_steps, batch, sde_window_size, sde_window_range, gens).to(device)
+    timesteps, sigmas = policy.set_timesteps(num_inference_steps, height, width)
+    timesteps, sigmas = timesteps.to(device), sigmas.to(device)
+    sigma_max = sigmas[1]
+
+    rec_latents = torch.zeros(batch, num_window + 1, *latents.shape[1:], device=device)
+    rec_log_probs = torch.full((batch, num_window), float("nan"), device=device)
+    rec_timesteps = torch.zeros(batch, num_window, device=device)
+    rec_sigmas = torch.zeros(batch, num_window + 1, device=device)
+    rows = torch.arange(batch, device=device)
+
+    for i in range(num_inference_steps):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        first = start == i
+        rec_latents[first, 0] = latents[first]
+        rec_sigmas[first, 0] = sigma
+
+        v = policy.velocity(latents, timesteps[i].expand(batch), cond, guidance_scale, height=height, width=width)
+        # Every sample draws its step noise (used or not) so its random stream is independent of its window.
+        sde_next, log_prob, _, _ = sde_step_from_sigmas(
+            v,
+            latents,
+            sigma.expand(batch),
+            sigma_next.expand(batch),
+            sigma_max,
+            noise_level,
+            generator=gens,
+            sde_type=sde_type,
+        )
+        ode_next = latents + v * (sigma_next - sigma)
+        in_window = (start <= i) & (i < start + num_window)
+        mask = in_window.reshape(batch, *([1] * (latents.ndim - 1)))
+        latents = torch.where(mask, sde_next, ode_next)
+
+        k = (i - start)[in_window]
+        r = rows[in_window]
+        rec_latents[r, k + 1] = latents[r]
+        rec_timesteps[r, k] = timesteps[i]
+        rec_sigmas[r, k + 1] = sigma_next
+        if calculate_log_probs:
+            rec_log_probs[r, k] = log_prob[r]
+
+    images = policy.decode(latents, height, width)
+    return Trajectory(
+        latents=rec_latents,
+        log_probs=rec_log_probs,
+        timesteps=rec_timesteps,
+        sigmas=rec_sigmas,
+        sigma_max=sigma_max.expand(batch).clone(),
+        window_start=start,
+        cond=cond,
+        images=images,
+        prompts=[p for p in prompts for _ in range(n)],
+        sample_seeds=torch.tensor(seeds, dtype=torch.long),
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+    )
+
+
+def score_transitions(
+    policy: FlowPolicy,
+    traj: Trajectory,
+    step: int,
+    *,
+    guidance_scale: float,
+    noise_level: float,
+    sde_type: str = "sde",
+    use_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Re-score window step ``step`` of every sample under the current (or reference) policy.
+
+    Returns ``(log_prob [B], prev_sample_mean [B, *S], std_dev_t [B, 1, ...])``; gradients flow through
+    the policy's velocity unless ``use_reference``. With unchanged weights and the same batch, the
+    log-prob equals the rollout's bit for bit (ratio exactly 1 in fp32).
+    """
+    device = policy.device
+    height, width = traj.images.shape[-2:]
+    v = policy.velocity(
+        traj.latents[:, step].to(device),
+        traj.timesteps[:, step].to(device),
+        traj.cond,
+        guidance_scale,
+        use_reference=use_reference,
+        height=height,
+        width=width,
+    )
+    _, log_prob, mean, std = sde_step_from_sigmas(
+        v,
+        traj.latents[:, step].to(device),
+        traj.sigmas[:, step].to(device),
+        traj.sigmas[:, step + 1].to(device),
+        traj.sigma_max.to(device),
+        noise_level,
+        prev_sample=traj.latents[:, step + 1].to(device),
+        sde_type=sde_type,
+    )
+    return log_prob, mean, std
+
+
+@torch.no_grad()
+def validate_sample(
+    policy: FlowPolicy,
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str] | None = None,
+    *,
+    seed: int,
+    height: int,
+    width: int,
+    num_inference_steps: int,
+    guidance_scale: float = 1.0,
+    max_sequence_length: int = 128,
+) -> torch.Tensor:
+    """Deterministic (noise 0, Euler ODE) samples for evaluation: uint8 images ``[P, 3, H, W]``.
+
+    Prompt ``i`` starts from the noise of ``derive_sample_seed(seed, 0, i, 0)``, so the same validation
+    prompt gets the same noise at every evaluation and the images are comparable across steps.
+    """
+    prompts = list(prompts)
+    gens = _generators([derive_sample_seed(seed, 0, i, 0) for i in range(len(prompts))])
+    negs = list(negative_prompts) if negative_prompts is not None else None
+    cond = policy.encode_prompts(prompts, negs, max_sequence_length, _use_cfg(policy, guidance_scale, negs))
+    latents = policy.prepare_latents(len(prompts), height, width, gens)
+    timesteps, sigmas = policy.set_timesteps(num_inference_steps, height, width)
+    for i in range(num_inference_steps):
+        t = timesteps[i].to(policy.device).expand(len(prompts))
+        v = policy.velocity(latents, t, cond, guidance_scale, height=height, width=width)
+        latents = latents + v * (sigmas[i + 1] - sigmas[i]).to(policy.device)
+    return policy.decode(latents, height, width)

@@ -1,0 +1,357 @@
+"""The TransferQueue adapter: start / attach / close, per-run partitions, prompt and trajectory rows.
+
+A thin layer over the real ``transfer_queue`` package (PyPI ``transferqueue``), the v1 data plane between
+rollout and training (reference/verl-omni.md §6). It owns three things TQ leaves to its callers:
+
+* start-up that fails instead of hanging: TQ's controller and each SimpleStorage unit reserve one
+  logical Ray CPU for their lifetime, and ``tq.init`` waits forever when they do not fit (DESIGN.md §7);
+* the row schema (below), with per-run partition ids, since one named controller serves every run on a
+  Ray cluster (DESIGN.md §2);
+* deterministic reads: rows come back sorted by key, as dense tensors where TQ hands back jagged ones.
+
+Row schema (one TQ partition per run and split, ``f"{run_id}/train"``):
+
+* prompt row, key ``uid``, no fields, tag
+  ``{"is_prompt": True, "status": "pending"|"running"|"finished"|"failure", "global_steps": int,
+  "reason": str}`` (``reason`` only after a failure);
+* trajectory row, key ``f"{uid}_{session}_{index}"``, fields = one sample of a rollout batch, tag
+  ``{"is_prompt": False, "status": "success"|"failure", "global_steps": int, "model_version": int,
+  "uid": str, ...}``.
+
+Tags travel through the controller and ``kv_list`` returns all of them on every replay-buffer poll, so
+they hold small scalars only. Strings that belong to a sample (prompt text, data_source) are fields:
+TQ stores non-tensor columns as ``tensordict.NonTensorStack`` (one msgpack value per sample) and
+``get_trajectories`` returns them as ``list[str]``.
+
+``ray``, ``transfer_queue`` and ``tensordict`` are imported inside the functions: importing them costs
+~4 s on 2 cores, which processes that only build names (the flow, validate_config) should not pay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Prompt-row statuses (pending -> running -> finished | failure), as in verl's v1 agent loop.
+PENDING, RUNNING, FINISHED, FAILURE = "pending", "running", "finished", "failure"
+PROMPT_STATUSES = (PENDING, RUNNING, FINISHED, FAILURE)
+# Trajectory-row statuses.
+SUCCESS = "success"
+TRAJECTORY_STATUSES = (SUCCESS, FAILURE)
+# Tag keys a trajectory row must carry (``uid`` is filled in from the key when missing).
+REQUIRED_TRAJECTORY_TAGS = ("status", "global_steps", "model_version")
+
+# TQ's own names (transfer_queue/interface.py): the controller is one named actor per cluster.
+_CONTROLLER_NAME, _CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
+# Logical CPUs that TQ reserves: controller 1 + 1 per SimpleStorage unit (both @ray.remote(num_cpus=1)).
+_CONTROLLER_CPUS = 1
+_CPUS_PER_STORAGE_UNIT = 1
+
+# Whether this process started the controller (and so owns the storage actors); see close_transfer_queue.
+_owns_controller = False
+
+
+class TransferQueueCapacityError(RuntimeError):
+    """The Ray cluster cannot host TransferQueue's controller and storage units (tq.init would hang)."""
+
+
+# ------------------------------------------------------------------------------------ names and keys
+def partition_id(run_id: str, split: Literal["train", "val"]) -> str:
+    """The TQ partition of one run and split: ``"<run_id>/train"``. Runs sharing a cluster never collide."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r} must be 'train' or 'val'")
+    if not run_id:
+        raise ValueError("run_id must be a non-empty string")
+    return f"{run_id}/{split}"
+
+
+def trajectory_key(uid: str, session: int | str, index: int = 0) -> str:
+    """Key of one trajectory row, ``f"{uid}_{session}_{index}"`` (verl-omni's layout; index is 0 for
+    single-turn diffusion). ``session`` and ``index`` may not contain '_' so that the uid parses back."""
+    if "_" in str(session) or "_" in str(index):
+        raise ValueError(f"session={session!r} and index={index!r} may not contain '_'")
+    return f"{uid}_{session}_{index}"
+
+
+def uid_of_key(key: str) -> str:
+    """The prompt uid of a trajectory key (the uid itself may contain '_')."""
+    parts = key.rsplit("_", 2)
+    if len(parts) != 3:
+        raise ValueError(f"{key!r} is not a trajectory key '<uid>_<session>_<index>'")
+    return parts[0]
+
+
+# -------------------------------------------------------------------------------- start-up and close
+def check_ray_capacity(
+    available: Mapping[str, float], num_storage_units: int, cluster: Mapping[str, float] | None = None
+) -> None:
+    """Raise TransferQueueCapacityError unless ``available`` logical CPUs fit the controller plus
+    ``num_storage_units`` storage units. ``available`` / ``cluster`` are ``ray.available_resources()`` /
+    ``ray.cluster_resources()`` (plain dicts, so the rule is testable without a cluster)."""
+    needed = _CONTROLLER_CPUS + _CPUS_PER_STORAGE_UNIT * num_storage_units
+    free = float(available.get("CPU", 0.0))
+    if free >= needed:
+        return
+    total = float((cluster or {}).get("CPU", free))
+    if total >= needed:
+        hint = (
+            f"The cluster declares {total:g} but other actors hold the rest: start TransferQueue before the "
+            f"worker groups, or raise ray_kwargs.ray_init.num_cpus."
+        )
+    else:
+        hint = (
+            f"Raise ray_kwargs.ray_init.num_cpus to at least {needed} (logical CPUs may exceed the cores; 16 is "
+            f"the OmniFlow default) or lower transfer_queue.backend.SimpleStorage.num_data_storage_units."
+        )
+    raise TransferQueueCapacityError(
+        f"TransferQueue needs {needed} logical Ray CPUs (controller {_CONTROLLER_CPUS} + "
+        f"transfer_queue.backend.SimpleStorage.num_data_storage_units={num_storage_units}, one each) but the "
+        f"Ray cluster has {free:g} available; tq.init would wait forever. {hint}"
+    )
+
+
+def _controller_exists() -> bool:
+    import ray
+
+    try:
+        ray.get_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def _to_tq_conf(tq_cfg: Any):
+    """The config section (pydantic model, mapping or DictConfig) as the DictConfig ``tq.init`` merges."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(tq_cfg, DictConfig):
+        data = OmegaConf.to_container(tq_cfg, resolve=True)
+    elif hasattr(tq_cfg, "model_dump"):
+        data = tq_cfg.model_dump()
+    else:
+        data = dict(tq_cfg)
+    # `enable` is verl's switch (the v1 runner forces it on); TQ has no such key.
+    data.pop("enable", None)
+    return OmegaConf.create(data)
+
+
+def init_transfer_queue(tq_cfg: Any) -> bool:
+    """Start TransferQueue from the ``transfer_queue`` config section, or attach to the cluster's running
+    controller (several runs may share one). Returns True when this call started it.
+
+    Ray must be initialised (``ray_kwargs.ray_init``) first. Before starting, the free logical CPUs are
+    checked against what TQ reserves, so a too-small cluster fails here with the fix instead of hanging.
+    """
+    global _owns_controller
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "Ray is not initialised: call ray.init(**ray_kwargs.ray_init) (num_cpus >= 1 + "
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units) before init_transfer_queue."
+        )
+    import transfer_queue as tq
+
+    if _controller_exists():
+        tq.init()  # joins the existing controller; TQ ignores a conf in that case anyway
+        return False
+    conf = _to_tq_conf(tq_cfg)
+    backend = conf.backend.storage_backend
+    if backend == "SimpleStorage":
+        check_ray_capacity(
+            ray.available_resources(), int(conf.backend.SimpleStorage.num_data_storage_units), ray.cluster_resources()
+        )
+    tq.init(conf)
+    _owns_controller = True
+    return True
+
+
+def attach() -> None:
+    """Join the running TransferQueue from another process (a Ray task or actor): a bare ``tq.init()``.
+    Pair it with ``detach()``, never ``tq.close()``, which would kill the shared controller."""
+    import transfer_queue as tq
+
+    if not _controller_exists():
+        raise RuntimeError(
+            "No TransferQueueController on this Ray cluster: the driver must call init_transfer_queue first "
+            "(and this process must be connected to the same cluster)."
+        )
+    tq.init()
+
+
+def detach() -> None:
+    """Close this process's TQ client and forget the controller handle, leaving the controller running.
+
+    Why not ``tq.close()``: after a bare ``tq.init()`` TQ keeps the controller handle it looked up, and
+    ``tq.close()`` kills it, i.e. a worker that finishes would take the whole queue down with it.
+    """
+    from transfer_queue import interface
+
+    if interface._TQ_CLIENT is not None:
+        interface._TQ_CLIENT.close()
+    interface._TQ_CLIENT = None
+    interface._TQ_CONTROLLER = None
+
+
+def close_transfer_queue() -> None:
+    """Shut TransferQueue down if this process started it (controller, storage units, client); otherwise
+    only detach. Safe to call twice and in a ``finally``."""
+    global _owns_controller
+    import transfer_queue as tq
+
+    if _owns_controller:
+        tq.close()
+        _owns_controller = False
+    else:
+        detach()
+
+
+# --------------------------------------------------------------------------------------- prompt rows
+def put_prompts(partition: str, uids: Sequence[str], global_step: int) -> None:
+    """Register prompt rows (tag only) as ``pending`` for ``global_step``."""
+    import transfer_queue as tq
+
+    uids = list(uids)
+    if not uids:
+        return
+    tags = [{"is_prompt": True, "status": PENDING, "global_steps": int(global_step)} for _ in uids]
+    tq.kv_batch_put(keys=uids, partition_id=partition, tags=tags)
+
+
+def set_prompt_status(partition: str, uids: Sequence[str], status: str, reason: str | None = None) -> None:
+    """Move prompt rows to ``status`` (pending -> running -> finished | failure). TQ merges the new tag into
+    the stored one, so ``global_steps`` stays. ``reason`` is recorded with a failure."""
+    import transfer_queue as tq
+
+    if status not in PROMPT_STATUSES:
+        raise ValueError(f"status={status!r} must be one of {PROMPT_STATUSES}")
+    uids = list(uids)
+    if not uids:
+        return
+    tag: dict[str, Any] = {"status": status}
+    if status == FAILURE:
+        tag["reason"] = reason or "unknown"
+    tq.kv_batch_put(keys=uids, partition_id=partition, tags=[dict(tag) for _ in uids])
+
+
+# ----------------------------------------------------------------------------------- trajectory rows
+def _as_column(name: str, value: Any, batch: int) -> Any:
+    from tensordict import NonTensorStack
+
+    if isinstance(value, torch.Tensor):
+        if value.shape[:1] != (batch,):
+            raise ValueError(f"field {name!r} has shape {tuple(value.shape)}; batch dim must be {batch}")
+        return value.detach().cpu()
+    values = list(value)
+    if len(values) != batch:
+        raise ValueError(f"field {name!r} has {len(values)} values; expected {batch}")
+    return NonTensorStack(*values)
+
+
+def put_trajectories(
+    partition: str,
+    keys: Sequence[str],
+    fields: Mapping[str, torch.Tensor | Sequence[Any]],
+    tags: Sequence[Mapping[str, Any]],
+) -> None:
+    """Write trajectory rows: ``fields`` holds batched tensors (batch dim first) or per-sample lists (strings
+    are stored as non-tensor columns); ``tags[i]`` carries status, global_steps and model_version of row i."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    keys = list(keys)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate trajectory keys: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    if len(tags) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(tags)} tags")
+    full_tags = []
+    for key, tag in zip(keys, tags, strict=True):
+        missing = [k for k in REQUIRED_TRAJECTORY_TAGS if k not in tag]
+        if missing:
+            raise ValueError(f"tag of {key!r} lacks {missing}; a trajectory tag needs {REQUIRED_TRAJECTORY_TAGS}")
+        if tag["status"] not in TRAJECTORY_STATUSES:
+            raise ValueError(f"tag of {key!r}: status={tag['status']!r} must be one of {TRAJECTORY_STATUSES}")
+        uid = uid_of_key(key)
+        if tag.get("uid", uid) != uid:
+            raise ValueError(f"tag uid={tag['uid']!r} does not match key {key!r}")
+        full_tags.append({"is_prompt": False, "uid": uid, **tag})
+    batch = len(keys)
+    columns = {name: _as_column(name, value, batch) for name, value in fields.items()}
+    tq.kv_batch_put(keys=keys, partition_id=partition, fields=TensorDict(columns, batch_size=[batch]), tags=full_tags)
+
+
+def _densify(value: Any) -> Any:
+    """TQ packs every non-scalar column as a nested tensor (jagged, or strided when more than one dim is
+    ragged) and strings as a NonTensorStack: dense tensor when all rows agree in shape, else the nested
+    tensor as TQ gave it; list for non-tensor columns."""
+    from tensordict import NonTensorStack
+
+    if isinstance(value, NonTensorStack):
+        return value.tolist()
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        rows = value.unbind()
+        if all(r.shape == rows[0].shape for r in rows):
+            return torch.stack(rows)
+    return value
+
+
+def get_trajectories(
+    partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
+) -> dict[str, torch.Tensor | list[Any]]:
+    """Read trajectory rows in ``sorted(keys)`` order (arrival order from several workers varies, so
+    determinism needs a fixed order); tensors batch dim first. Raises KeyError for absent keys, which TQ
+    itself would silently drop."""
+    import transfer_queue as tq
+
+    ordered = sorted(keys)
+    if len(set(ordered)) != len(ordered):
+        raise ValueError("get_trajectories: duplicate keys")
+    if not ordered:
+        return {}
+    fields = list(select_fields) if select_fields else None
+    try:
+        data = tq.kv_batch_get(keys=ordered, partition_id=partition, select_fields=fields)
+    except ValueError:  # TQ's "keys or partition were not found!" (none there) or "fields not ready"
+        _raise_if_missing(partition, ordered)
+        raise
+    if data.batch_size[0] != len(ordered):  # TQ drops absent keys with only a warning in the controller log
+        _raise_if_missing(partition, ordered)
+        raise KeyError(f"TransferQueue returned {data.batch_size[0]} of {len(ordered)} rows from {partition!r}")
+    return {name: _densify(data.get(name)) for name in sorted(data.keys())}
+
+
+def _raise_if_missing(partition: str, keys: list[str]) -> None:
+    present = list_rows(partition)
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise KeyError(f"{len(missing)} of {len(keys)} trajectory keys not in partition {partition!r}: {missing[:5]}")
+
+
+# ------------------------------------------------------------------------------------ listing, clear
+def list_rows(partition: str) -> dict[str, dict[str, Any]]:
+    """Every key of ``partition`` with its tag (prompt and trajectory rows); {} for an unknown partition."""
+    import transfer_queue as tq
+
+    return dict(tq.kv_list(partition_id=partition).get(partition, {}))
+
+
+def clear(partition: str, keys: Sequence[str]) -> None:
+    """Remove rows (tags and data); unknown keys are ignored."""
+    import transfer_queue as tq
+
+    keys = list(keys)
+    if keys:
+        tq.kv_clear(keys=keys, partition_id=partition)
+
+
+def clear_partition(partition: str) -> int:
+    """Remove every row of ``partition`` (stale rows before a retried epoch, and at the end of a run).
+    Returns how many were removed."""
+    keys = list(list_rows(partition))
+    clear(partition, keys)
+    return len(keys)

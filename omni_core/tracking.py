@@ -1,0 +1,124 @@
+"""Metrics: verl-omni's per-step data metrics and the tracking backends (`trainer.logger`).
+
+Backends: `console` (one line per step plus a progress bar), `file` (JSONL, one record per step) and
+`tensorboard` (torch's SummaryWriter). Names follow verl-omni (`critic/rewards/mean`,
+`actor/pg_loss`, `timing_s/gen`, `perf/throughput`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def data_metrics(rewards: torch.Tensor, advantages: torch.Tensor, group_index: torch.Tensor) -> dict[str, float]:
+    """critic/rewards/*, critic/advantages/* and the share of groups whose rewards are all equal."""
+    rewards, advantages = rewards.float(), advantages.float()
+    groups = torch.unique(group_index)
+    zero_std = sum(int(rewards[group_index == g].std(unbiased=False).item() == 0.0) for g in groups)
+    return {
+        "critic/rewards/mean": rewards.mean().item(),
+        "critic/rewards/max": rewards.max().item(),
+        "critic/rewards/min": rewards.min().item(),
+        "critic/advantages/mean": advantages.mean().item(),
+        "critic/advantages/max": advantages.max().item(),
+        "critic/advantages/min": advantages.min().item(),
+        "critic/rewards/zero_std_ratio": zero_std / max(len(groups), 1),
+    }
+
+
+def timing_metrics(timing: Mapping[str, float], num_images: int, n_devices: int = 1) -> dict[str, float]:
+    """timing_s/* plus perf/throughput (images per second per device over the whole step)."""
+    out = {f"timing_s/{k}": float(v) for k, v in timing.items()}
+    step_time = timing.get("step", 0.0)
+    out["perf/total_num_images"] = float(num_images)
+    out["perf/time_per_step"] = float(step_time)
+    out["perf/throughput"] = num_images / (step_time * n_devices) if step_time > 0 else 0.0
+    return out
+
+
+class Timer:
+    """`with timer("gen"):` accumulates wall seconds into `timer.timing["gen"]`."""
+
+    def __init__(self) -> None:
+        self.timing: dict[str, float] = {}
+
+    def __call__(self, name: str) -> _Span:
+        return _Span(self, name)
+
+
+class _Span:
+    def __init__(self, timer: Timer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.timing[self.name] = self.timer.timing.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+class Tracking:
+    """Logs step metrics to the backends named in `trainer.logger`."""
+
+    def __init__(self, backends: Sequence[str], log_dir: str | Path, total_steps: int, stream: Any = None):
+        self.backends = list(backends)
+        self.log_dir = Path(log_dir)
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        self._tb = None
+        if "file" in self.backends or "tensorboard" in self.backends:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.log_dir / "metrics.jsonl"
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        if "console" in self.backends:
+            self.stream.write(self._console_line(clean, step) + "\n")
+            self.stream.flush()
+        if "file" in self.backends:
+            with self.jsonl_path.open("a") as f:
+                f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def _console_line(self, m: Mapping[str, float], step: int) -> str:
+        width = 20
+        done = min(step, self.total_steps) if self.total_steps else step
+        filled = int(width * done / self.total_steps) if self.total_steps else 0
+        bar = "#" * filled + "." * (width - filled)
+        keys = ("critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "timing_s/step")
+        shown = " ".join(f"{k.split('/', 1)[1]}={m[k]:.4g}" for k in keys if k in m)
+        val = " ".join(f"{k}={v:.4g}" for k, v in m.items() if k.startswith("val-core/"))
+        return f"[{bar}] step {step}/{self.total_steps} {shown} {val}".rstrip()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, float]]:
+    """The records a `file` backend wrote."""
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def mean_of(records: Iterable[Mapping[str, float]], key: str) -> float:
+    values = [r[key] for r in records if key in r]
+    return sum(values) / len(values) if values else float("nan")

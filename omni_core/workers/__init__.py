@@ -1,0 +1,1 @@
+"""Ray-side workers: the training actor (policy + optimizer) and the rollout workers (agent loop)."""

@@ -1,0 +1,191 @@
+"""`TrainingActor`: the long-lived holder of the trained transformer, its optimizer and LR schedule.
+
+It runs as a Ray actor (verl's single-controller design: model state lives in workers, the
+controller only sends keys and advantages). It reads the step's trajectories from the TransferQueue
+itself, so latents and embeddings never pass through the controller, recomputes the old log-probs
+in the same micro-batch layout as the update (so the first on-policy ratio is exactly 1 in fp32),
+runs `ppo_update`, and saves / loads its part of a checkpoint (`global_step_N/actor/`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, build_lr_scheduler, build_optimizer, ppo_update
+from omni_core.checkpoint.files import read_tensors, read_torch_state, write_tensors, write_torch_state
+from omni_core.config import OmniFlowConfig, config_from_dict
+from omni_core.models.policy import FlowPolicy
+from omni_core.rollout.sampler import score_transitions
+from omni_core.rollout.trajectory import COND_PREFIX, Trajectory
+from omni_core.sde import sde_step_from_sigmas
+
+logger = logging.getLogger(__name__)
+
+# Fields the actor reads from a trajectory row (everything but the images' pixels).
+TRAIN_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "sigma_max", "window_start", "images")
+
+
+def batch_from_rows(fields: dict[str, Any]) -> Trajectory:
+    """A `Trajectory` from the columns `get_trajectories` returns (prompts are not needed to train)."""
+    cond = {k[len(COND_PREFIX) :]: v for k, v in fields.items() if k.startswith(COND_PREFIX)}
+    b = fields["latents"].shape[0]
+    zeros = torch.zeros(b, dtype=torch.long)
+    return Trajectory(
+        latents=fields["latents"],
+        log_probs=fields["log_probs"],
+        timesteps=fields["timesteps"],
+        sigmas=fields["sigmas"],
+        sigma_max=fields["sigma_max"],
+        window_start=fields["window_start"],
+        cond=cond,
+        images=fields["images"],
+        prompts=[""] * b,
+        sample_seeds=fields.get("sample_seeds", zeros),
+        prompt_index=fields.get("prompt_index", zeros),
+        sample_index=fields.get("sample_index", zeros),
+    )
+
+
+class TrainingActor:
+    """The trained policy + optimizer. Created once per run from the flow process (as a Ray actor)."""
+
+    def __init__(self, config: dict[str, Any], total_training_steps: int, num_threads: int):
+        torch.set_num_threads(num_threads)
+        self.config: OmniFlowConfig = config_from_dict(config)
+        self.total_training_steps = total_training_steps
+        self._build()
+
+    def _build(self) -> None:
+        arr = self.config.actor_rollout_ref
+        torch.manual_seed(self.config.actor_rollout_ref.actor.data_loader_seed)  # LoRA init is random
+        self.policy = FlowPolicy.from_model_config(arr.model)
+        if arr.actor.use_kl_loss:
+            self.policy.ensure_reference()
+        self.optimizer = build_optimizer(arr.actor.optim, self.policy.trainable_parameters())
+        self.lr_scheduler = build_lr_scheduler(arr.actor.optim, self.optimizer, self.total_training_steps)
+        self.version = 0  # the global step whose update produced the current weights
+
+    # ------------------------------------------------------------------------------- state
+    def get_version(self) -> int:
+        return self.version
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout side needs to follow the policy (full state, or the LoRA adapter)."""
+        return self.policy.state_dict_for_checkpoint()
+
+    def reset(self, checkpoint: str | None) -> int:
+        """Restart from `checkpoint` (a global_step_N folder), or from the base model when None.
+
+        Used at start-up (resume) and by a retried epoch whose weights moved past its checkpoint.
+        """
+        if checkpoint is None:
+            self._build()
+            return self.version
+        actor = Path(checkpoint) / "actor"
+        self.policy.load_trainable_state(read_tensors(actor, "model"))
+        self.optimizer.load_state_dict(read_torch_state(actor, "optimizer"))
+        self.lr_scheduler.load_state_dict(read_torch_state(actor, "lr_scheduler"))
+        self.version = int(read_torch_state(actor, "version")["version"])
+        return self.version
+
+    def save(self, tmp_dir: str) -> list[str]:
+        """Write the actor's part of a checkpoint into `<tmp_dir>/actor/` (safetensors + torch state)."""
+        actor = Path(tmp_dir) / "actor"
+        actor.mkdir(parents=True, exist_ok=True)
+        contents = self.config.actor_rollout_ref.actor.checkpoint.save_contents
+        written = [write_tensors(actor, "model", self.policy.state_dict_for_checkpoint())]
+        if "optimizer" in contents:
+            written.append(write_torch_state(actor, "optimizer", self.optimizer.state_dict()))
+            written.append(write_torch_state(actor, "lr_scheduler", self.lr_scheduler.state_dict()))
+        written.append(write_torch_state(actor, "version", {"version": self.version}))
+        # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained.
+        self.policy.save_pretrained(actor / "hf")
+        return [str(p) for p in written]
+
+    # ------------------------------------------------------------------------------- training
+    def _update_config(self, global_step: int) -> PPOUpdateConfig:
+        actor, n = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout.n
+        kl = actor.kl_loss_coef if actor.use_kl_loss else 0.0
+        return PPOUpdateConfig(
+            mini_batch_size=actor.ppo_mini_batch_size * n,
+            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=actor.ppo_epochs,
+            clip_ratio=actor.diffusion_loss.clip_ratio,
+            adv_clip_max=actor.diffusion_loss.adv_clip_max,
+            kl_coef=kl,
+            grad_clip=actor.grad_clip,
+            shuffle=actor.shuffle,
+            seed=actor.data_loader_seed + global_step,
+            loss_mode=actor.diffusion_loss.loss_mode,
+        )
+
+    def _score(self, traj: Trajectory, j: int, use_reference: bool = False):
+        rollout = self.config.actor_rollout_ref.rollout
+        return score_transitions(
+            self.policy,
+            traj,
+            j,
+            guidance_scale=rollout.pipeline.guidance_scale,
+            noise_level=rollout.algo.noise_level,
+            sde_type=rollout.algo.sde_type,
+            use_reference=use_reference,
+        )
+
+    @torch.no_grad()
+    def _old_log_probs(self, traj: Trajectory) -> torch.Tensor:
+        """Old log-probs `[B, W]`, micro-batch by micro-batch as the update will see them."""
+        micro = self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        out = torch.empty_like(traj.log_probs)
+        for start in range(0, traj.batch_size, micro):
+            idx = torch.arange(start, min(start + micro, traj.batch_size))
+            part = traj.index_select(idx)
+            for j in range(traj.window_size):
+                out[idx, j] = self._score(part, j)[0].float().cpu()
+        return out
+
+    def train_step(self, partition: str, keys: list[str], advantages: torch.Tensor, global_step: int) -> dict[str, float]:
+        """One training step on the rows `keys` (sorted) of `partition`: old log-probs, PPO update."""
+        from omni_core.tq.client import get_trajectories
+
+        t0 = time.perf_counter()
+        fields = get_trajectories(partition, keys)
+        traj = batch_from_rows(fields)
+        bypass = self.config.algorithm.rollout_correction.bypass_mode
+        old = traj.log_probs if bypass else self._old_log_probs(traj)
+        t1 = time.perf_counter()
+
+        use_kl = self.config.actor_rollout_ref.actor.use_kl_loss
+        noise_level = self.config.actor_rollout_ref.rollout.algo.noise_level
+        sde_type = self.config.actor_rollout_ref.rollout.algo.sde_type
+
+        def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
+            part = traj.index_select(mb["sample"])
+            log_prob, mean, std = self._score(part, j)
+            ref_mean = None
+            if use_kl:
+                with torch.no_grad():
+                    v_ref = self.policy.velocity(
+                        part.latents[:, j], part.timesteps[:, j], part.cond, self.config.actor_rollout_ref.rollout.pipeline.guidance_scale,
+                        use_reference=True, height=part.images.shape[-2], width=part.images.shape[-1],
+                    )
+                    _, _, ref_mean, _ = sde_step_from_sigmas(
+                        v_ref, part.latents[:, j], part.sigmas[:, j], part.sigmas[:, j + 1], part.sigma_max, noise_level,
+                        prev_sample=part.latents[:, j + 1], sde_type=sde_type,
+                    )
+            return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
+
+        # ppo_update slices every tensor by sample; `sample` tells step_fn which trajectory rows it got.
+        batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(traj.batch_size)}
+        self.policy.transformer.train()
+        metrics = ppo_update(
+            self.policy.transformer, self.optimizer, self.lr_scheduler, batch, step_fn=step_fn, cfg=self._update_config(global_step)
+        )
+        self.version = global_step
+        metrics["timing_s/old_log_prob"] = t1 - t0
+        metrics["timing_s/update_actor"] = time.perf_counter() - t1
+        return metrics

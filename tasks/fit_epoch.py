@@ -1,0 +1,80 @@
+"""Stage 7 — `fit_epoch`: one epoch of verl-omni's `trainer.fit()`, run on a Ray worker and retried.
+
+A function of (config, epoch, last checkpoint): it rebuilds the controller, finds the run's actors by
+name, restarts from the last checkpoint written before a failure (the actor reloads it if its
+weights moved past it; stale TransferQueue rows are cleared), trains the epoch, saves its
+checkpoint, and publishes the epoch's metrics table and checkpoint card as artifacts.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from omni_core.checkpoint import checkpoint_summary
+from omni_core.config import OmniFlowConfig
+from omni_core.data.prompts import PromptRecord
+from omni_core.trainers import get_diffusion_trainer_cls
+from omni_core.trainers.base import EpochResult, RunInfo
+
+TABLE_COLUMNS = (
+    "training/global_step",
+    "critic/rewards/mean",
+    "critic/rewards/max",
+    "critic/rewards/min",
+    "critic/advantages/max",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/step",
+    "perf/throughput",
+)
+
+
+@task(name="fit_epoch", task_run_name="fit_epoch-{epoch}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3, timeout_seconds=6 * 3600)
+def fit_epoch(
+    config: OmniFlowConfig,
+    run: RunInfo,
+    epoch: int,
+    train_records: list[PromptRecord],
+    val_records: list[PromptRecord],
+    resume_from: str | None,
+    progress_artifact_id: str | None = None,
+) -> EpochResult:
+    log = get_run_logger()
+    trainer = get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)
+    trainer.restore_context(train_records, val_records, resume_from)
+    if progress_artifact_id:
+
+        def _progress(step: int, total: int, metrics: dict[str, float]) -> None:
+            update_progress_artifact(progress_artifact_id, progress=100.0 * step / total)
+            log.info("step %d/%d reward %.5f", step, total, metrics.get("critic/rewards/mean", float("nan")))
+
+        trainer.step_callback = _progress
+    try:
+        result = trainer.fit_epoch(epoch)
+    finally:
+        for line in trainer._logs:  # worker and controller log lines reach the Prefect run
+            log.info(line)
+    _publish(result)
+    return result
+
+
+def _publish(result: EpochResult) -> None:
+    rows = [{k.split("/")[-1] if k != "training/global_step" else "step": round(m.get(k, float("nan")), 6) for k in TABLE_COLUMNS} for m in result.step_metrics]
+    if result.val_metrics:
+        rows.append({"step": result.global_step, **{k: round(v, 6) for k, v in result.val_metrics.items()}})
+    create_table_artifact(key="omniflow-epoch-metrics", table=rows, description=f"Metrics of epoch {result.epoch}, one row per step")
+    if result.checkpoint:
+        s = checkpoint_summary(result.checkpoint)
+        create_markdown_artifact(
+            key="omniflow-checkpoint",
+            markdown=(
+                f"### Checkpoint of epoch {result.epoch}\n\n| | |\n|---|---|\n| path | `{s['path']}` |\n| step | {s['step']} |\n"
+                f"| size | {s['size_bytes'] / 1e6:.2f} MB ({s['num_files']} files) |\n| sha256 (manifest) | `{s['sha256']}` |\n"
+            ),
+            description=f"global_step_{s['step']}",
+        )

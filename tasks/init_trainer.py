@@ -1,0 +1,19 @@
+"""Stage 5 — `init_trainer`: verl-omni's `trainer.init()` -> `_setup()` (dataloader, the training actor
+on Ray, checkpoint resume) + `on_init_end()`. The checkpoint folder is locked for the run first, so
+a second run pointed at it is refused before it starts any actor."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from omni_core.data.prompts import PromptRecord
+from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
+
+
+@task(name="init_trainer", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def init_trainer(
+    trainer: PolicyGradientDiffusionTrainerV1, train_records: list[PromptRecord], val_records: list[PromptRecord]
+) -> PolicyGradientDiffusionTrainerV1:
+    trainer.init(train_records, val_records)
+    return trainer

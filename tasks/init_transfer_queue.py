@@ -1,0 +1,22 @@
+"""Stage 2 — `init_transfer_queue`: verl-omni's `tq.init(config.transfer_queue)` in the Ray driver.
+
+Connects Ray first (`ray_kwargs.ray_init`: join an address, or a local cluster with enough logical
+CPUs) and checks the cluster has what the run reserves, so nothing is left pending forever.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+
+from omni_core.config import OmniFlowConfig
+from omni_core.ray_cluster import check_cluster_devices, connect_ray
+from omni_core.tq.client import init_transfer_queue as start_transfer_queue
+
+
+@task(name="init_transfer_queue", retries=2, retry_delay_seconds=2)
+def init_transfer_queue(config: OmniFlowConfig) -> bool:
+    """Returns True when this run started the Ray cluster (and so must shut it down)."""
+    owns_ray = connect_ray(config)
+    check_cluster_devices(config)
+    start_transfer_queue(config.transfer_queue)
+    return owns_ray
