@@ -54,6 +54,28 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    from omni_core.models.tiny import build_tiny_pipeline
+
+    path = build_tiny_pipeline(ns.dir, arch=ns.arch, seed=ns.seed)
+    print(f"tiny {ns.arch} pipeline written to {path}")
+    return 0
+
+
+def _cmd_make_dataset(ns: argparse.Namespace) -> int:
+    from omni_core.data.make_dataset import make_dataset
+
+    path = make_dataset(ns.text_file, ns.out, data_source=ns.data_source)
+    print(f"verl parquet written to {path}")
+    return 0
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from omniflow.flows.train_cli import run_training
+
+    return run_training(ns.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow",
@@ -72,6 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a config (types, cross-field rules, devices) without running")
     validate.add_argument("args", nargs="*", help="YAML files, then key.path=value overrides")
     validate.set_defaults(func=_cmd_validate)
+
+    train = sub.add_parser("train", help="run main_diffusion_v1: omniflow train [FILE ...] [key=value ...]")
+    train.add_argument("args", nargs="*", help="YAML files, then key.path=value overrides")
+    train.set_defaults(func=_cmd_train)
+
+    tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (save_pretrained)")
+    tiny.add_argument("dir", help="output folder")
+    tiny.add_argument("--arch", choices=["sd3", "flux"], default="sd3")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    ds = sub.add_parser("make-dataset", help="write the verl parquet layout from a text file (one prompt per line)")
+    ds.add_argument("text_file")
+    ds.add_argument("out", help="output .parquet path")
+    ds.add_argument("--data-source", default="jpeg_compressibility", help="data_source of every row (selects the reward)")
+    ds.set_defaults(func=_cmd_make_dataset)
     return parser
 
 

@@ -22,7 +22,9 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     if ray.is_initialized():
         return False
     init = config.ray_kwargs.ray_init
-    env = {"env_vars": {k: os.environ[k] for k in ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE") if k in os.environ}}
+    os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TransferQueue warns about its thread count on every call
+    passed = ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TQ_LOGGING_LEVEL")
+    env = {"env_vars": {k: os.environ[k] for k in passed if k in os.environ}}
     if init.address:
         # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
         os.environ.setdefault("RAY_AUTH_MODE", "token")

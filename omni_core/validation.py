@@ -293,6 +293,27 @@ def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
         elif not Path(path).expanduser().is_dir():
             p.append(ConfigProblem("trainer.resume_from_path", "does not exist; point it at a global_step_N checkpoint folder", path))
 
+    # The model folder (cheap to check now, expensive to find missing after Ray started).
+    model_dir = Path(model.path).expanduser()
+    if not (model_dir / "model_index.json").is_file():
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.path",
+                f"no diffusers pipeline at {model_dir} (model_index.json missing); point it at a pipeline folder, "
+                f"or build the tiny model with `omniflow make-tiny-model {model.path}`",
+                model.path,
+            )
+        )
+    if rollout.pipeline.true_cfg_scale != 1.0:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.pipeline.true_cfg_scale",
+                "true CFG (Qwen-Image style) is not implemented in OmniFlow's sampler; use "
+                "actor_rollout_ref.rollout.pipeline.guidance_scale (with negative prompts for FLUX) and keep true_cfg_scale=1.0",
+                rollout.pipeline.true_cfg_scale,
+            )
+        )
+
     # Prompt files (cheap to check now, expensive to find missing after Ray started).
     for key, value in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for f in [] if value is None else [value] if isinstance(value, str) else value:

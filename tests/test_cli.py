@@ -42,8 +42,8 @@ def test_config_schema_is_json_with_descriptions():
     assert schema["$defs"]["TrainerConfig"]["properties"]["use_v1"]["description"].startswith("Use the v1")
 
 
-def test_validate_ok_on_the_default_config():
-    out = _run("validate")
+def test_validate_ok_on_the_default_config(tiny_sd3_dir):
+    out = _run("validate", f"actor_rollout_ref.model.path={tiny_sd3_dir}")
     assert out.returncode == 0, out.stderr
     assert "config OK" in out.stdout
 

@@ -30,6 +30,7 @@ TQ stores non-tensor columns as ``tensordict.NonTensorStack`` (one msgpack value
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -106,7 +107,8 @@ def check_ray_capacity(
     else:
         hint = (
             f"Raise ray_kwargs.ray_init.num_cpus to at least {needed} (logical CPUs may exceed the cores; 16 is "
-            f"the OmniFlow default) or lower transfer_queue.backend.SimpleStorage.num_data_storage_units."
+            f"the OmniFlow default; for a cluster joined by ray_kwargs.ray_init.address, start its nodes with "
+            f"more --num-cpus) or lower transfer_queue.backend.SimpleStorage.num_data_storage_units."
         )
     raise TransferQueueCapacityError(
         f"TransferQueue needs {needed} logical Ray CPUs (controller {_CONTROLLER_CPUS} + "
@@ -158,7 +160,9 @@ def init_transfer_queue(tq_cfg: Any) -> bool:
     import transfer_queue as tq
 
     if _controller_exists():
-        tq.init()  # joins the existing controller; TQ ignores a conf in that case anyway
+        # Another run on this cluster started it; TQ ignores a conf when joining, so say so.
+        logger.info("TransferQueue is already running on this Ray cluster: joining it (its storage settings apply).")
+        tq.init()
         return False
     conf = _to_tq_conf(tq_cfg)
     backend = conf.backend.storage_backend
@@ -265,8 +269,9 @@ def put_trajectories(
     from tensordict import TensorDict
 
     keys = list(keys)
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate trajectory keys: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    duplicates = sorted(k for k, n in Counter(keys).items() if n > 1)
+    if duplicates:
+        raise ValueError(f"duplicate trajectory keys: {duplicates}")
     if len(tags) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(tags)} tags")
     full_tags = []

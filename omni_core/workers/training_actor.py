@@ -153,15 +153,21 @@ class TrainingActor:
         from omni_core.tq.client import get_trajectories
 
         t0 = time.perf_counter()
-        fields = get_trajectories(partition, keys)
-        traj = batch_from_rows(fields)
+        traj = batch_from_rows(get_trajectories(partition, keys))
+        metrics = self.train_on(traj, advantages, global_step)
+        metrics["timing_s/old_log_prob"] += time.perf_counter() - t0 - metrics.pop("_train_s")
+        return metrics
+
+    def train_on(self, traj: Trajectory, advantages: torch.Tensor, global_step: int) -> dict[str, float]:
+        """Old log-probs (or the rollout's, in bypass mode) then the PPO update of one training step."""
+        t0 = time.perf_counter()
         bypass = self.config.algorithm.rollout_correction.bypass_mode
         old = traj.log_probs if bypass else self._old_log_probs(traj)
         t1 = time.perf_counter()
 
         use_kl = self.config.actor_rollout_ref.actor.use_kl_loss
-        noise_level = self.config.actor_rollout_ref.rollout.algo.noise_level
-        sde_type = self.config.actor_rollout_ref.rollout.algo.sde_type
+        rollout = self.config.actor_rollout_ref.rollout
+        noise_level, sde_type = rollout.algo.noise_level, rollout.algo.sde_type
 
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
             part = traj.index_select(mb["sample"])
@@ -170,12 +176,23 @@ class TrainingActor:
             if use_kl:
                 with torch.no_grad():
                     v_ref = self.policy.velocity(
-                        part.latents[:, j], part.timesteps[:, j], part.cond, self.config.actor_rollout_ref.rollout.pipeline.guidance_scale,
-                        use_reference=True, height=part.images.shape[-2], width=part.images.shape[-1],
+                        part.latents[:, j],
+                        part.timesteps[:, j],
+                        part.cond,
+                        rollout.pipeline.guidance_scale,
+                        use_reference=True,
+                        height=part.images.shape[-2],
+                        width=part.images.shape[-1],
                     )
                     _, _, ref_mean, _ = sde_step_from_sigmas(
-                        v_ref, part.latents[:, j], part.sigmas[:, j], part.sigmas[:, j + 1], part.sigma_max, noise_level,
-                        prev_sample=part.latents[:, j + 1], sde_type=sde_type,
+                        v_ref,
+                        part.latents[:, j],
+                        part.sigmas[:, j],
+                        part.sigmas[:, j + 1],
+                        part.sigma_max,
+                        noise_level,
+                        prev_sample=part.latents[:, j + 1],
+                        sde_type=sde_type,
                     )
             return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
 
@@ -185,7 +202,10 @@ class TrainingActor:
         metrics = ppo_update(
             self.policy.transformer, self.optimizer, self.lr_scheduler, batch, step_fn=step_fn, cfg=self._update_config(global_step)
         )
+        self.policy.transformer.eval()
         self.version = global_step
+        t2 = time.perf_counter()
         metrics["timing_s/old_log_prob"] = t1 - t0
-        metrics["timing_s/update_actor"] = time.perf_counter() - t1
+        metrics["timing_s/update_actor"] = t2 - t1
+        metrics["_train_s"] = t2 - t0
         return metrics

@@ -1,0 +1,492 @@
+#!/usr/bin/env python
+"""Core throughput benchmark of OmniFlow's Flow-GRPO step on the tiny SD3 model (CPU, fp32).
+
+Measures, with omni_core components only and at one fixed configuration (see ``CONFIG``):
+
+- rollout images/s: ``omni_core.rollout.sampler.generate`` on a ``FlowPolicy`` (full fine-tuning);
+- reward time: ``jpeg_compressibility`` through ``omni_core.rewards.manager.RewardManager``;
+- old log-prob time and training samples/s: the recompute + one ``ppo_update`` call, built as
+  ``omni_core.workers.training_actor.TrainingActor.train_step`` builds it;
+- the transformer's achieved GFLOP/s for one forward + backward on the training micro-batch
+  (FLOPs from ``torch.utils.flop_counter.FlopCounterMode``), a fp32 matmul peak measured in the
+  same run, and their ratio;
+- the first on-policy ratio mean (exactly 1.0 when old log-probs are recomputed in fp32).
+
+Each timed quantity is the median of ``--repeats`` runs after one warm-up; every run is kept.
+
+    python benchmarks/bench_core.py [--out benchmarks/results/core.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages  # noqa: E402
+from omni_core.algorithms.update import (  # noqa: E402
+    PPOUpdateConfig,
+    StepOutput,
+    build_lr_scheduler,
+    build_optimizer,
+    ppo_update,
+)
+from omni_core.models.policy import FlowPolicy  # noqa: E402
+from omni_core.models.tiny import build_tiny_pipeline  # noqa: E402
+from omni_core.rewards.manager import RewardManager  # noqa: E402
+from omni_core.rollout.sampler import generate, score_transitions  # noqa: E402
+from omni_core.rollout.trajectory import Trajectory  # noqa: E402
+
+SCHEMA_VERSION = 1
+
+# The fixed workload (the "fair benchmark" of reference/diffusion-rl.md §6.4 with an SDE window of 2).
+CONFIG: dict[str, Any] = {
+    "model": "tiny sd3 (omni_core.models.tiny.build_tiny_pipeline(tmp, 'sd3', seed=0))",
+    "dtype": "float32",
+    "device": "cpu",
+    "prompts": ["a red circle on a white background", "a photo of a small black cat"],
+    "n": 8,
+    "height": 64,
+    "width": 64,
+    "num_inference_steps": 10,
+    "guidance_scale": 1.0,  # no CFG
+    "noise_level": 0.7,
+    "sde_type": "sde",
+    "sde_window_size": 2,
+    "sde_window_range": [0, 5],
+    "max_sequence_length": 32,
+    "rollout_seed": 42,
+    "lora_rank": 0,  # full fine-tuning
+    "reward": "jpeg_compressibility",
+    "optim": {"lr": 1.0e-3, "betas": [0.9, 0.999], "weight_decay": 0.01, "lr_warmup_steps": -1, "lr_scheduler_type": "constant"},
+    "ppo_mini_batch_size": 2,  # prompts; x n = 16 samples, i.e. one optimizer step per update
+    "ppo_micro_batch_size_per_gpu": 8,
+    "ppo_epochs": 1,
+    "clip_ratio": 1.0e-4,
+    "adv_clip_max": 5.0,
+    "grad_clip": 1.0,
+    "kl_coef": 0.0,
+    "shuffle": False,
+    "data_loader_seed": 42,
+}
+
+# CPU SDPA dispatches to ops that FlopCounterMode (torch 2.x) has no formula for; without these the
+# attention FLOPs would be silently missing. Same formulas torch uses for the flash/efficient kernels.
+_CPU_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_SDPA_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _flop_mapping() -> dict[Any, Any]:
+    mapping: dict[Any, Any] = {}
+    if _CPU_SDPA is not None:
+        mapping[_CPU_SDPA] = _cpu_sdpa_flop
+    if _CPU_SDPA_BWD is not None:
+        mapping[_CPU_SDPA_BWD] = _cpu_sdpa_backward_flop
+    return mapping
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _summary(times: list[float], warmup: list[float]) -> dict[str, Any]:
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "repeats_s": times,
+        "warmup_s": warmup,
+    }
+
+
+def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1, setup: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` calls (``setup`` is untimed)."""
+    warm, times = [], []
+    for i in range(warmup + repeats):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        (warm if i < warmup else times).append(dt)
+    return _summary(times, warm)
+
+
+class OtherCpuLoad:
+    """Share of the machine's CPU time that other processes used while a block ran (Linux ``/proc/stat``).
+
+    ``busy - own`` over all CPUs' ticks: 0 on a quiet machine, about 0.5 when another process kept one
+    of two cores busy. ``value`` stays None where ``/proc/stat`` is missing.
+    """
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    @staticmethod
+    def _ticks() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        total = sum(fields)  # user nice system idle iowait irq softirq steal
+        return total, total - fields[3] - fields[4]
+
+    @staticmethod
+    def _own_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def __enter__(self) -> OtherCpuLoad:
+        self._start, self._own = self._ticks(), self._own_s()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._ticks()
+        if self._start is None or end is None or end[0] <= self._start[0]:
+            return
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        total, busy = end[0] - self._start[0], end[1] - self._start[1]
+        own = (self._own_s() - self._own) * hz
+        self.value = min(1.0, max(0.0, (busy - own) / total))
+
+
+# ------------------------------------------------------------------------------------------ parts
+def bench_rollout(policy: FlowPolicy, repeats: int) -> tuple[Trajectory, dict[str, Any]]:
+    c = CONFIG
+    out: dict[str, Trajectory] = {}
+
+    def run() -> None:
+        out["traj"] = generate(
+            policy,
+            c["prompts"],
+            n=c["n"],
+            seed=c["rollout_seed"],
+            global_step=0,
+            height=c["height"],
+            width=c["width"],
+            num_inference_steps=c["num_inference_steps"],
+            guidance_scale=c["guidance_scale"],
+            noise_level=c["noise_level"],
+            sde_type=c["sde_type"],
+            sde_window_size=c["sde_window_size"],
+            sde_window_range=c["sde_window_range"],
+            max_sequence_length=c["max_sequence_length"],
+            calculate_log_probs=True,
+        )
+
+    stats = time_calls(run, repeats)
+    traj = out["traj"]
+    stats["images"] = traj.batch_size
+    stats["images_per_s"] = traj.batch_size / stats["median_s"]
+    return traj, stats
+
+
+def bench_reward(images: torch.Tensor, repeats: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    manager = RewardManager({"reward_functions": [CONFIG["reward"]]})
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        out["result"] = manager.score(images, CONFIG["reward"])
+
+    stats = time_calls(run, repeats)
+    result = out["result"]
+    if bool(result.failed.any()):
+        raise RuntimeError(f"reward failed: {result.reasons}")
+    stats["images_per_s"] = images.shape[0] / stats["median_s"]
+    stats["mean_score"] = float(result.scores.mean())
+    return result.scores, stats
+
+
+def _score(policy: FlowPolicy, traj: Trajectory, j: int):
+    return score_transitions(
+        policy, traj, j, guidance_scale=CONFIG["guidance_scale"], noise_level=CONFIG["noise_level"], sde_type=CONFIG["sde_type"]
+    )
+
+
+@torch.no_grad()
+def old_log_probs(policy: FlowPolicy, traj: Trajectory) -> torch.Tensor:
+    """As ``TrainingActor._old_log_probs``: micro-batch by micro-batch, in the update's layout."""
+    micro = CONFIG["ppo_micro_batch_size_per_gpu"]
+    out = torch.empty_like(traj.log_probs)
+    for start in range(0, traj.batch_size, micro):
+        idx = torch.arange(start, min(start + micro, traj.batch_size))
+        part = traj.index_select(idx)
+        for j in range(traj.window_size):
+            out[idx, j] = _score(policy, part, j)[0].float().cpu()
+    return out
+
+
+def bench_train(policy: FlowPolicy, traj: Trajectory, advantages: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """Old log-probs + one ``ppo_update`` per run, as ``TrainingActor.train_step`` (KL off)."""
+    c = CONFIG
+    optimizer = build_optimizer(c["optim"], policy.trainable_parameters())
+    lr_scheduler = build_lr_scheduler(c["optim"], optimizer, 1 + repeats)
+
+    def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
+        part = traj.index_select(mb["sample"])
+        log_prob, mean, std = _score(policy, part, j)
+        return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std)
+
+    old_times, upd_times, ratios, ratio_stds, losses, grad_norms, max_abs_lp = [], [], [], [], [], [], []
+    for step in range(1 + repeats):
+        t0 = time.perf_counter()
+        old = old_log_probs(policy, traj)
+        t1 = time.perf_counter()
+        cfg = PPOUpdateConfig(
+            mini_batch_size=c["ppo_mini_batch_size"] * c["n"],
+            micro_batch_size=c["ppo_micro_batch_size_per_gpu"],
+            ppo_epochs=c["ppo_epochs"],
+            clip_ratio=c["clip_ratio"],
+            adv_clip_max=c["adv_clip_max"],
+            kl_coef=c["kl_coef"],
+            grad_clip=c["grad_clip"],
+            shuffle=c["shuffle"],
+            seed=c["data_loader_seed"] + step,
+        )
+        batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(traj.batch_size)}
+        policy.transformer.train()
+        t2 = time.perf_counter()
+        metrics = ppo_update(policy.transformer, optimizer, lr_scheduler, batch, step_fn=step_fn, cfg=cfg)
+        t3 = time.perf_counter()
+        old_times.append(t1 - t0)
+        upd_times.append(t3 - t2)
+        ratios.append(metrics["actor/ratio_mean"])
+        ratio_stds.append(metrics["actor/ratio_std"])
+        losses.append(metrics["actor/pg_loss"])
+        grad_norms.append(metrics["actor/grad_norm"])
+        if step == 0:
+            # Before any update: the recomputed old log-probs vs the rollout's (different batch layout).
+            max_abs_lp = [float((old - traj.log_probs).abs().max())]
+    update = _summary(upd_times[1:], upd_times[:1])
+    update["samples"] = traj.batch_size
+    update["samples_per_s"] = traj.batch_size / update["median_s"]
+    update["transformer_fwd_bwd_per_update"] = traj.batch_size * traj.window_size
+    old_lp = _summary(old_times[1:], old_times[:1])
+    old_lp["samples_per_s"] = traj.batch_size / old_lp["median_s"]
+    return {
+        "old_log_prob": old_lp,
+        "ppo_update": update,
+        "ratio_mean_per_update": ratios,
+        "ratio_std_per_update": ratio_stds,
+        "pg_loss_per_update": losses,
+        "grad_norm_per_update": grad_norms,
+        "old_vs_rollout_log_prob_max_abs_diff": max_abs_lp[0],
+    }
+
+
+def bench_transformer_flops(policy: FlowPolicy, traj: Trajectory, repeats: int) -> dict[str, Any]:
+    """FLOPs and wall time of one transformer forward + backward on the training micro-batch (step 0)."""
+    micro = CONFIG["ppo_micro_batch_size_per_gpu"]
+    part = traj.index_select(torch.arange(micro))
+    x, t = part.latents[:, 0].contiguous(), part.timesteps[:, 0].contiguous()
+    h, w = CONFIG["height"], CONFIG["width"]
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    params = policy.trainable_parameters()
+    policy.transformer.train()
+
+    def zero() -> None:
+        for p in params:
+            p.grad = None
+
+    def run() -> None:
+        v = policy.velocity(x, t, part.cond, CONFIG["guidance_scale"], height=h, width=w)
+        (v * cotangent).sum().backward()
+
+    zero()
+    counter = FlopCounterMode(display=False, custom_mapping=_flop_mapping())
+    with counter:
+        run()
+    flops = counter.get_total_flops()
+    by_op = {str(k): int(v) for k, v in sorted(counter.get_flop_counts()["Global"].items(), key=lambda kv: -kv[1])}
+    stats = time_calls(run, repeats, setup=zero)
+    zero()
+    attn = sum(v for k, v in by_op.items() if "attention" in k)
+    stats.update(
+        {
+            "micro_batch": micro,
+            "tokens_per_sample": _tokens(policy, part),
+            "flops": flops,
+            "flops_per_sample": flops / micro,
+            "flops_by_op": by_op,
+            "attention_flops": attn,
+            "cpu_sdpa_formula_added": sorted(str(k) for k in _flop_mapping()),
+            "gflops_per_s": flops / stats["median_s"] / 1e9,
+        }
+    )
+    return stats
+
+
+def _tokens(policy: FlowPolicy, part: Trajectory) -> dict[str, int]:
+    patch = int(policy.base_transformer.config.patch_size)
+    _, _, hh, ww = part.latents[:, 0].shape
+    return {"image": (hh // patch) * (ww // patch), "text": int(part.cond["prompt_embeds"].shape[1])}
+
+
+def bench_matmul_peak(sizes: list[int], tries: int) -> dict[str, Any]:
+    """Best fp32 ``n x n @ n x n`` rate (2 n^3 flops) over ``tries`` timed calls per size."""
+    gen = torch.Generator().manual_seed(0)
+    per_size: dict[str, Any] = {}
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, generator=gen)
+        b = torch.randn(n, n, generator=gen)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm-up
+        rates = []
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            rates.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
+        per_size[str(n)] = {
+            "best_gflops_per_s": max(rates),
+            "median_gflops_per_s": statistics.median(rates),
+            "all_gflops_per_s": rates,
+        }
+        best = max(best, max(rates))
+    return {"sizes": sizes, "tries_per_size": tries, "per_size": per_size, "peak_gflops_per_s": best}
+
+
+# ------------------------------------------------------------------------------------------ main
+def _versions() -> dict[str, str]:
+    import diffusers
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def _machine() -> dict[str, Any]:
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_num_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "mkl": torch.backends.mkl.is_available(),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "core.json"), help="JSON result path")
+    parser.add_argument("--quick", action="store_true", help="smoke run: fewer repeats, smaller matmuls (~30 s)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; 3 with --quick)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 5)
+    if repeats < 1:
+        parser.error("--repeats must be >= 1")
+
+    started = time.perf_counter()
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    machine = _machine()
+
+    with tempfile.TemporaryDirectory(prefix="omniflow-bench-") as tmp:
+        t0 = time.perf_counter()
+        path = build_tiny_pipeline(Path(tmp) / "tiny-sd3", "sd3", seed=0)
+        policy = FlowPolicy(path, architecture="sd3", lora_rank=CONFIG["lora_rank"], dtype=torch.float32, device="cpu")
+        setup_s = time.perf_counter() - t0
+        n_params = sum(p.numel() for p in policy.base_transformer.parameters())
+        n_trainable = sum(p.numel() for p in policy.trainable_parameters())
+
+        loads: dict[str, float | None] = {}
+        with OtherCpuLoad() as load:
+            traj, rollout = bench_rollout(policy, repeats)
+        loads["rollout"] = load.value
+        with OtherCpuLoad() as load:
+            scores, reward = bench_reward(traj.images, max(repeats, 10))
+        loads["reward"] = load.value
+        advantages = compute_flow_grpo_advantages(scores, traj.prompt_index)
+        with OtherCpuLoad() as load:
+            train = bench_train(policy, traj, advantages, repeats)
+        loads["train"] = load.value
+        with OtherCpuLoad() as load:
+            fwd_bwd = bench_transformer_flops(policy, traj, repeats)
+        loads["transformer_fwd_bwd"] = load.value
+        with OtherCpuLoad() as load:
+            matmul = bench_matmul_peak([1024, 1536] if args.quick else [1024, 1536, 2048], 3 if args.quick else 5)
+        loads["matmul_peak"] = load.value
+
+    step_s = rollout["median_s"] + reward["median_s"] + train["old_log_prob"]["median_s"] + train["ppo_update"]["median_s"]
+    ratio = fwd_bwd["gflops_per_s"] / matmul["peak_gflops_per_s"]
+    machine["loadavg_end"] = list(os.getloadavg())
+    # Noise indicator: CPU share other processes took during each phase (0 = quiet machine).
+    machine["other_processes_cpu_share"] = loads
+    result = {
+        "benchmark": "omniflow.core",
+        "schema_version": SCHEMA_VERSION,
+        "mode": "quick" if args.quick else "default",
+        "command": "python benchmarks/bench_core.py" + (" --quick" if args.quick else "") + f" --out {args.out}",
+        "repeats": repeats,
+        "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": _versions(),
+        "machine": machine,
+        "config": CONFIG,
+        "model": {"transformer_params": n_params, "trainable_params": n_trainable, "setup_s": setup_s},
+        "rollout": rollout,
+        "reward": reward,
+        "old_log_prob": train["old_log_prob"],
+        "ppo_update": train["ppo_update"],
+        "train_diagnostics": {k: v for k, v in train.items() if k not in ("old_log_prob", "ppo_update")},
+        "transformer_fwd_bwd": fwd_bwd,
+        "matmul_peak": matmul,
+        "transformer_gflops_over_matmul_peak": ratio,
+        "first_on_policy_ratio_mean": train["ratio_mean_per_update"][0],
+        "derived": {
+            "step_s": step_s,
+            "end_to_end_samples_per_s": traj.batch_size / step_s,
+            "update_over_rollout": (train["old_log_prob"]["median_s"] + train["ppo_update"]["median_s"]) / rollout["median_s"],
+        },
+        "wall_s": time.perf_counter() - started,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"wrote {out}")
+    print(
+        f"rollout   {rollout['images_per_s']:.2f} images/s  (median {rollout['median_s']:.3f} s / {rollout['images']} images)\n"
+        f"reward    {reward['median_s'] * 1e3:.1f} ms / {traj.batch_size} images ({CONFIG['reward']})\n"
+        f"old lp    {train['old_log_prob']['median_s']:.3f} s\n"
+        f"update    {train['ppo_update']['samples_per_s']:.2f} samples/s  (median {train['ppo_update']['median_s']:.3f} s)\n"
+        f"end2end   {result['derived']['end_to_end_samples_per_s']:.2f} samples/s  (step {step_s:.2f} s)\n"
+        f"fwd+bwd   {fwd_bwd['flops'] / 1e9:.2f} GFLOP in {fwd_bwd['median_s'] * 1e3:.1f} ms = {fwd_bwd['gflops_per_s']:.1f} GFLOP/s\n"
+        f"matmul    peak {matmul['peak_gflops_per_s']:.1f} GFLOP/s  -> transformer / peak = {ratio:.3f}\n"
+        f"ratio     first on-policy ratio mean = {result['first_on_policy_ratio_mean']!r}\n"
+        f"load      {machine['loadavg_start'][0]:.2f} -> {machine['loadavg_end'][0]:.2f}; other processes' CPU share "
+        f"{ {k: None if v is None else round(v, 2) for k, v in loads.items()} }; wall {result['wall_s']:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The same omni_core components in one plain in-process loop: no Prefect, no Ray, no TransferQueue.
+
+The baseline of the orchestration-overhead benchmark (`bench_flow.py`), and a quick way to try a
+config's learning dynamics: `python benchmarks/plain_loop.py [key=value ...] --steps 20`.
+One process: sample -> reward -> advantages -> old log-probs + PPO update, as the flow's step does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from omni_core.algorithms.registry import get_adv_estimator
+from omni_core.config import OmniFlowConfig, load_config
+from omni_core.data.dataloader import PromptDataLoader
+from omni_core.data.prompts import load_prompts
+from omni_core.rewards.manager import RewardManager
+from omni_core.rollout.sampler import generate
+from omni_core.workers.training_actor import TrainingActor
+
+
+def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
+    """Train `steps` steps in this process; returns per-step metrics (reward mean, timings)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    data, rollout = config.data, config.actor_rollout_ref.rollout
+    records = load_prompts(data.train_files if isinstance(data.train_files, str) else list(data.train_files))
+    loader = PromptDataLoader(records, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    actor = TrainingActor(config.model_dump(mode="json"), steps, os.cpu_count() or 1)
+    policy = actor.policy  # rollout and training share one model in-process (sync mode, staleness 0)
+    rewards_fn = RewardManager(config.reward)
+    estimator = get_adv_estimator(config.algorithm.adv_estimator)
+    out = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        batch = loader.next_batch()
+        with torch.no_grad():
+            traj = generate(
+                policy,
+                [r.prompt for r in batch],
+                n=rollout.n,
+                seed=rollout.seed or 0,
+                global_step=step,
+                prompt_indices=list(range(len(batch))),
+                height=rollout.pipeline.height,
+                width=rollout.pipeline.width,
+                num_inference_steps=rollout.pipeline.num_inference_steps,
+                guidance_scale=rollout.pipeline.guidance_scale,
+                noise_level=rollout.algo.noise_level,
+                sde_type=rollout.algo.sde_type,
+                sde_window_size=rollout.algo.sde_window_size,
+                sde_window_range=rollout.algo.sde_window_range,
+                max_sequence_length=rollout.pipeline.max_sequence_length,
+            )
+        t1 = time.perf_counter()
+        scored = rewards_fn.score(traj.images, [r.data_source for r in batch for _ in range(rollout.n)])
+        adv = estimator(
+            scored.scores, traj.prompt_index, norm_adv_by_std=config.algorithm.norm_adv_by_std_in_grpo, global_std=config.algorithm.global_std
+        )
+        metrics = actor.train_on(traj, adv, step)
+        metrics.pop("_train_s")
+        t2 = time.perf_counter()
+        out.append(
+            {
+                "step": step,
+                "reward_mean": scored.scores.mean().item(),
+                "gen_s": t1 - t0,
+                "update_s": t2 - t1,
+                "step_s": t2 - t0,
+                "images": traj.batch_size,
+                **{k: v for k, v in metrics.items() if k.startswith("actor/")},
+            }
+        )
+        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in out[-1].items()}), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--steps", type=int, default=10)
+    ns = parser.parse_args(argv)
+    run_plain(load_config(overrides=ns.overrides), ns.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The embedded Prefect API of a CLI run: one local server (SQLite, 127.0.0.1) for the whole run.
+
+Prefect's ephemeral mode starts a temporary server in every process that needs one, and every Ray
+worker would start its own (DESIGN.md section 7). So when no `PREFECT_API_URL` is set, the run starts
+`prefect server start` on a free loopback port with a persistent `PREFECT_HOME` in the output folder,
+points this process (and through it every Ray worker) at it, and stops it at the end. A user's
+`PREFECT_API_URL` wins. Call `embedded_prefect_api` before importing prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+DEFAULT_HOME = Path("outputs") / "prefect"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prefect_executable() -> list[str]:
+    exe = Path(sys.executable).with_name("prefect")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "prefect"]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the embedded Prefect server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the embedded Prefect server at {url} was not healthy after {timeout_s:.0f}s")
+
+
+class EmbeddedApi:
+    """The run's API: `url`, and `wait_ready()` (the server boots while the caller imports the flow)."""
+
+    def __init__(self, url: str | None, proc: subprocess.Popen | None = None, timeout_s: float = 120.0):
+        self.url, self.proc, self.timeout_s = url, proc, timeout_s
+
+    @property
+    def ui_url(self) -> str | None:
+        return self.url.removesuffix("/api") if self.url else None
+
+    def wait_ready(self) -> None:
+        if self.proc is not None and self.url is not None:
+            _wait_healthy(self.url, self.proc, self.timeout_s)
+
+
+@contextlib.contextmanager
+def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> Iterator[EmbeddedApi]:
+    """The run's Prefect API: the user's `PREFECT_API_URL`, or a server started here (and stopped at exit).
+
+    Sets `PREFECT_API_URL` / `PREFECT_HOME` in this process before yielding, so prefect may be imported
+    while the server is still booting; call `wait_ready()` before the first API call.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        yield EmbeddedApi(os.environ["PREFECT_API_URL"])
+        return
+    home = Path(os.environ.get("PREFECT_HOME") or home or DEFAULT_HOME).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    log = open(home / "server.log", "ab")  # noqa: SIM115  (closed in the finally below)
+    proc = subprocess.Popen(
+        [*_prefect_executable(), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, so stopping it stops its children too
+    )
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        yield EmbeddedApi(url, proc, timeout_s)
+    finally:
+        _drain_prefect_workers()
+        os.environ.pop("PREFECT_API_URL", None)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _drain_prefect_workers() -> None:
+    """Send queued logs and events before the server goes away (as prefect_test_harness does)."""
+    if "prefect" not in sys.modules:
+        return
+    with contextlib.suppress(Exception):
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+        EventsWorker.drain_all(timeout=10)

@@ -1,0 +1,144 @@
+"""`main_diffusion_v1`: verl-omni's `main_diffusion_v1` entry point as a Prefect flow of DAG tasks.
+
+The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
+
+  1. validate_config      auto_set_device + validate_config + validate_attention_consistency
+  2. init_transfer_queue  Ray (join `ray_kwargs.ray_init.address` or start a local cluster) + tq.init
+  3. build_trainer        get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config)
+  4. load_tokenizer, prepare_dataset   (cached across runs)
+  5. init_trainer         trainer.init(): dataloader, training actor on Ray, checkpoint resume
+  6. init_agent_loop      the rollout workers
+  7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried
+  8. close                the TransferQueue and the run's actors, always (also on failure)
+
+`fit` is a subflow with a `RayTaskRunner`: Ray is connected in stage 2 from the config, so the runner
+reuses that cluster, also for runs started by a deployment (whose parameters are only known when
+the flow starts). CLI: `python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml] key=value ...`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+from omniflow.tasks.build_trainer import build_trainer
+from omniflow.tasks.close_transfer_queue import close_transfer_queue
+from omniflow.tasks.fit_epoch import fit_epoch
+from omniflow.tasks.init_agent_loop import init_agent_loop
+from omniflow.tasks.init_trainer import init_trainer
+from omniflow.tasks.init_transfer_queue import init_transfer_queue
+from omniflow.tasks.load_tokenizer import load_tokenizer
+from omniflow.tasks.prepare_dataset import prepare_dataset
+from omniflow.tasks.validate_config import validate_config
+from prefect import flow, runtime
+from prefect.artifacts import create_progress_artifact
+from prefect_ray import RayTaskRunner
+from pydantic import BaseModel, Field
+
+from omni_core.checkpoint import RunLock
+from omni_core.config import OmniFlowConfig
+from omni_core.data.prompts import PromptRecord
+from omni_core.trainers.base import EpochResult, RunInfo
+
+# `.result()` of an epoch is bounded too; a hung epoch fails the run instead of holding it forever.
+EPOCH_RESULT_TIMEOUT_S = 6 * 3600
+REWARD_WINDOW = 3  # steps averaged for the "first" and "last" reward of a run
+
+
+class TrainResult(BaseModel):
+    """What the flow returns, so a parent flow can use it."""
+
+    run_id: str = Field(description="Run id (TransferQueue partitions and actor names).")
+    final_checkpoint: str | None = Field(description="The last checkpoint folder (global_step_N).")
+    global_step: int = Field(description="Steps trained in total.")
+    final_metrics: dict[str, float] = Field(description="Metrics of the last step.")
+    val_metrics: dict[str, float] = Field(default_factory=dict, description="Metrics of the last validation.")
+    reward_first: float = Field(description=f"Mean critic/rewards/mean of the first {REWARD_WINDOW} steps of this run.")
+    reward_last: float = Field(description=f"Mean critic/rewards/mean of the last {REWARD_WINDOW} steps of this run.")
+    checkpoint_dir: str = Field(description="The run's checkpoint folder.")
+    log_dir: str = Field(description="The run's metrics (metrics.jsonl, TensorBoard) folder.")
+
+
+def make_run_info(config: OmniFlowConfig) -> RunInfo:
+    """Run identity from the flow run: partitions and actor names of concurrent runs never collide."""
+    flow_run_id = str(runtime.flow_run.id or "local")[:8]
+    run_id = f"{config.trainer.experiment_name}-{flow_run_id}"
+    root = config.trainer.checkpoint_dir.resolve()
+    return RunInfo(run_id=run_id, namespace="omniflow", checkpoint_dir=str(root), log_dir=str(root / "logs" / run_id))
+
+
+@flow(name="fit", task_runner=RayTaskRunner(), log_prints=True)
+def fit(
+    config: OmniFlowConfig,
+    run: RunInfo,
+    train: list[PromptRecord],
+    val: list[PromptRecord],
+    resume_from: str | None,
+    start_epoch: int,
+    total_epochs: int,
+) -> list[EpochResult]:
+    """verl-omni's `trainer.fit()`: one `fit_epoch` task per epoch, each on a Ray worker, in order."""
+    progress = create_progress_artifact(progress=100.0 * start_epoch / total_epochs, key="omniflow-progress", description="Training progress (steps done / total)")
+    results = []
+    for epoch in range(start_epoch, total_epochs):
+        future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
+        results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
+    return results
+
+
+@flow(name="main_diffusion_v1", log_prints=True)
+def main_diffusion_v1(
+    config: OmniFlowConfig | None = None,
+    overrides: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)
+    config_files: list[str] = [],  # noqa: B006
+) -> TrainResult:
+    """Fine-tune a diffusion model with Flow-GRPO (verl-omni's main_diffusion_v1, stage by stage).
+
+    `config`: the whole config (defaults when omitted); `overrides`: verl-style `key.path=value`
+    strings applied on top; `config_files`: YAML files read first when `config` is omitted.
+    """
+    cfg = validate_config(config, overrides, config_files)
+    run = make_run_info(cfg)
+    with RunLock(run.checkpoint_dir, run.run_id):
+        owns_ray = init_transfer_queue(cfg)
+        try:
+            trainer = build_trainer(cfg, run)
+            tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+            train, val = prepare_dataset(cfg.data, tokenizer)
+            trainer = init_trainer(trainer, train, val)
+            init_agent_loop(trainer)
+            epochs = fit(cfg, run, train, val, trainer.resume_from, trainer.start_epoch, trainer.total_epochs)
+        finally:
+            close_transfer_queue(owns_ray, run)
+    return summarize(run, epochs)
+
+
+def summarize(run: RunInfo, epochs: list[EpochResult]) -> TrainResult:
+    steps = [m for e in epochs for m in e.step_metrics]
+    rewards = [m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m]
+    first = rewards[:REWARD_WINDOW]
+    last = rewards[-REWARD_WINDOW:]
+    val = next((e.val_metrics for e in reversed(epochs) if e.val_metrics), {})
+    return TrainResult(
+        run_id=run.run_id,
+        final_checkpoint=next((e.checkpoint for e in reversed(epochs) if e.checkpoint), None),
+        global_step=epochs[-1].global_step if epochs else 0,
+        final_metrics=steps[-1] if steps else {},
+        val_metrics=val,
+        reward_first=sum(first) / len(first) if first else math.nan,
+        reward_last=sum(last) / len(last) if last else math.nan,
+        checkpoint_dir=run.checkpoint_dir,
+        log_dir=run.log_dir,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml ...] key=value ...`."""
+    from omniflow.flows.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
