@@ -34,7 +34,7 @@ TABLE_COLUMNS = (
 )
 
 
-@task(name="fit_epoch", task_run_name="fit_epoch-{epoch}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3, timeout_seconds=6 * 3600)
+@task(name="fit_epoch", task_run_name="fit_epoch-{epoch}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, timeout_seconds=6 * 3600)
 def fit_epoch(
     config: OmniFlowConfig,
     run: RunInfo,

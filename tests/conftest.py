@@ -67,3 +67,44 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------ Prefect + flows
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect test harness (embedded SQLite API) per session; yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def flow_prompts(tmp_path_factory):
+    """Two training prompts (one step per epoch at train_batch_size=2) and one validation prompt."""
+    d = tmp_path_factory.mktemp("prompts")
+    (d / "train.txt").write_text("a red circle\na blue square\n")
+    (d / "val.txt").write_text("a green dot\n")
+    return d
+
+
+@pytest.fixture(scope="session")
+def flow_overrides(tiny_sd3_dir, flow_prompts) -> list[str]:
+    """A lean main-job config for tests: 2 epochs x 1 step of 2 prompts x 4 samples, 32 px, 4 steps."""
+    return [
+        f"actor_rollout_ref.model.path={tiny_sd3_dir}",
+        f"data.train_files={flow_prompts / 'train.txt'}",
+        f"data.val_files={flow_prompts / 'val.txt'}",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.pipeline.height=32",
+        "actor_rollout_ref.rollout.pipeline.width=32",
+        "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
+        "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4",
+        "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+        "trainer.total_epochs=2",
+        "trainer.logger=[console,file]",
+    ]

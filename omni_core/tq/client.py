@@ -189,17 +189,18 @@ def attach() -> None:
 
 
 def detach() -> None:
-    """Close this process's TQ client and forget the controller handle, leaving the controller running.
+    """Close this process's TQ client, leaving the controller running.
 
     Why not ``tq.close()``: after a bare ``tq.init()`` TQ keeps the controller handle it looked up, and
-    ``tq.close()`` kills it, i.e. a worker that finishes would take the whole queue down with it.
+    ``tq.close()`` kills it, i.e. a worker that finishes would take the whole queue down with it. The
+    controller handle itself is kept: in the process that created the controller, dropping the last
+    handle lets Ray garbage-collect the (named, non-detached) actor, which is the same as killing it.
     """
     from transfer_queue import interface
 
     if interface._TQ_CLIENT is not None:
         interface._TQ_CLIENT.close()
     interface._TQ_CLIENT = None
-    interface._TQ_CONTROLLER = None
 
 
 def close_transfer_queue() -> None:

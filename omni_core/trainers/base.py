@@ -43,6 +43,7 @@ logger = logging.getLogger("omni_core.trainer")
 
 # Every wait is bounded (DESIGN.md section 7).
 ACTOR_CALL_TIMEOUT_S = 1800.0
+ACTOR_RESTART_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -186,9 +187,24 @@ class PolicyGradientDiffusionTrainerV1:
                 return str(latest)
         return self.resume_from
 
+    def _await_actors(self, timeout_s: float = ACTOR_RESTART_TIMEOUT_S) -> None:
+        """Wait (bounded) for actors that Ray is restarting after a crash (they reload the base model)."""
+        handles = [self.actor, *(self.agent_loop.workers if self.agent_loop else [])]
+        deadline = time.monotonic() + timeout_s
+        for handle in handles:
+            while True:
+                try:
+                    ray.get(handle.get_version.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
+
     def _restore(self, path: str | None) -> None:
         """Controller state from `path` (None: a fresh start); the actor reloads if its weights differ."""
         assert self.dataloader is not None
+        self._await_actors()
         if path is None:
             self.global_step = 0
             self.dataloader.load_state_dict({**self.dataloader.state_dict(), "epoch": 0, "position": 0})

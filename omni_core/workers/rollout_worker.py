@@ -10,6 +10,7 @@ the controller with the result, so they reach the Prefect run's log.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ class RolloutWorker:
 
     def ping(self) -> int:
         return self.index
+
+    def pid(self) -> int:
+        """The worker's process id (for observability and fault-injection tests)."""
+        return os.getpid()
 
     def get_version(self) -> int:
         return self.version

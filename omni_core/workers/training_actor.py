@@ -10,6 +10,7 @@ runs `ppo_update`, and saves / loads its part of a checkpoint (`global_step_N/ac
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,10 @@ class TrainingActor:
     # ------------------------------------------------------------------------------- state
     def get_version(self) -> int:
         return self.version
+
+    def pid(self) -> int:
+        """The actor's process id (for observability and fault-injection tests)."""
+        return os.getpid()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """What the rollout side needs to follow the policy (full state, or the LoRA adapter)."""

@@ -1,0 +1,183 @@
+"""The main job as a Prefect flow, in-process: real Ray, real TransferQueue, Prefect's test harness, tiny model.
+
+One reference run is shared: its checkpoints, artifacts and TQ rows are checked, and every other run
+(a second run as a subflow, a run with a killed training actor) must end with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from flow_utils import assert_same_weights, final_weights
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def flows(prefect_api, ray_cluster, transfer_queue):
+    from omniflow.flows import main_diffusion_v1 as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def reference(flows, flow_overrides, tmp_path_factory):
+    """The uninterrupted run every other run is compared with."""
+    ckpt = tmp_path_factory.mktemp("reference") / "ckpt"
+    state = flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}"], return_state=True)
+    assert state.is_completed(), state.message
+    return state, state.result(), ckpt
+
+
+def _read(coro):
+    return asyncio.run(coro)
+
+
+async def _artifacts(flow_run_ids: list) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async with get_client() as client:
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=flow_run_ids)))
+
+
+async def _child_flow_runs(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async with get_client() as client:
+        return await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+
+
+async def _latest_task_state(name: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    async with get_client() as client:
+        runs = await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)))
+    runs = sorted((r for r in runs if r.start_time), key=lambda r: r.start_time)
+    return runs[-1].state.name
+
+
+def test_two_epochs_write_two_checkpoints_and_their_artifacts(reference):
+    state, result, ckpt = reference
+    assert result.global_step == 2
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    for step in (1, 2):
+        d = ckpt / f"global_step_{step}"
+        assert (d / "manifest.json").is_file() and (d / "actor" / "model.safetensors").is_file()
+        assert (d / "actor" / "optimizer.pt").is_file() and (d / "dataloader.json").is_file() and (d / "rng.json").is_file()
+        assert (d / "actor" / "hf" / "config.json").is_file()  # diffusers-format transformer
+    assert Path(result.final_checkpoint).name == "global_step_2"
+
+    # Artifacts: per epoch a metrics table and a checkpoint card, and the progress bar of fit.
+    flow_run_id = state.state_details.flow_run_id
+    subflows = [r.id for r in _read(_child_flow_runs(flow_run_id))]
+    arts = _read(_artifacts([flow_run_id, *subflows]))
+    keys = [a.key for a in arts]
+    assert keys.count("omniflow-epoch-metrics") == 2
+    assert keys.count("omniflow-checkpoint") == 2
+    assert "omniflow-progress" in keys
+    card = next(a for a in arts if a.key == "omniflow-checkpoint" and "global_step_2" in (a.description or ""))
+    assert "sha256" in card.data and str(ckpt) in card.data
+
+    # Metrics under verl-omni's names, one JSONL record per step.
+    from omni_core.tracking import read_jsonl
+
+    records = read_jsonl(Path(result.log_dir) / "metrics.jsonl")
+    step_records = [r for r in records if "critic/rewards/mean" in r]
+    assert [r["step"] for r in step_records] == [1, 2]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "timing_s/gen", "timing_s/update_actor", "perf/throughput", "critic/rewards/zero_std_ratio"):
+        assert key in step_records[0], key
+    # The on-policy ratio of the first update is exactly 1 (old log-probs recomputed in the same layout).
+    assert step_records[0]["actor/ratio_mean"] == 1.0
+
+
+def test_transfer_queue_holds_no_rows_after_the_run(reference):
+    from omni_core.tq.client import attach, list_rows, partition_id
+
+    _, result, _ = reference
+    attach()  # the run detached this process's client when it closed (the controller is the session's)
+    assert list_rows(partition_id(result.run_id, "train")) == {}
+    assert list_rows(partition_id(result.run_id, "val")) == {}
+
+
+def test_second_run_as_a_subflow_hits_the_setup_cache_and_matches(flows, reference, flow_overrides, tmp_path):
+    from prefect import flow
+
+    ckpt = tmp_path / "ckpt"
+
+    @flow(name="parent-pipeline")
+    def parent() -> object:
+        return flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}"])
+
+    state = parent(return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert type(result).__name__ == "TrainResult" and result.global_step == 2
+
+    # The setup tasks of this (second) run came from the cache of the reference run.
+    assert _read(_latest_task_state("load_tokenizer")) == "Cached"
+    assert _read(_latest_task_state("prepare_dataset")) == "Cached"
+    assert_same_weights(final_weights(ckpt), final_weights(reference[2]))
+
+
+def test_killed_training_actor_is_recovered_with_identical_weights(flows, reference, flow_overrides, tmp_path):
+    """A real fault: the training actor's process is SIGKILLed after the first checkpoint."""
+    import ray
+
+    ckpt = tmp_path / "ckpt"
+    killed: list[int] = []
+
+    def kill_after_first_checkpoint() -> None:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and not (ckpt / "global_step_1" / "manifest.json").exists():
+            time.sleep(0.2)
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if "fault" in entry["name"] and entry["name"].endswith("training-actor"):
+                pid = ray.get(ray.get_actor(entry["name"], namespace=entry["namespace"]).pid.remote(), timeout=60)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    watcher = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+    watcher.start()
+    state = flows.main_diffusion_v1(
+        overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=fault"], return_state=True
+    )
+    watcher.join(timeout=30)
+    assert killed, "the training actor was not found to kill"
+    assert state.is_completed(), state.message
+    assert_same_weights(final_weights(ckpt), final_weights(reference[2]))
+    assert ray.is_initialized()
+
+
+def test_asking_for_a_gpu_fails_fast_with_the_key(flows, flow_overrides, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    start = time.monotonic()
+    state = flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={tmp_path}", "trainer.device=cuda"], return_state=True)
+    assert state.is_failed()
+    assert "trainer.device" in state.message
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "global_step_1").exists()
+
+
+def test_cluster_device_check_names_the_key():
+    from omni_core.config import ConfigError, load_config
+    from omni_core.ray_cluster import check_cluster_devices
+
+    cfg = load_config(overrides=["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError) as err:
+        check_cluster_devices(cfg, {"CPU": 16.0, "GPU": 1.0})
+    assert "trainer.n_gpus_per_node" in str(err.value) and "pending forever" in str(err.value)
+    with pytest.raises(ConfigError, match="ray_kwargs.ray_init.num_cpus"):
+        check_cluster_devices(load_config(), {"CPU": 2.0})
+    check_cluster_devices(load_config(), {"CPU": 16.0})
