@@ -1,6 +1,7 @@
 # OmniFlow set-up and entry points. `make run` and `make test` each install what is missing first.
 PYTHON ?= python3
 STAMP := .install-stamp
+MODEL ?= models/tiny-sd3
 
 .PHONY: install run test lint clean
 
@@ -13,8 +14,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: build the tiny SD3-family model if absent, then fine-tune it with Flow-GRPO
+# (jpeg_compressibility reward) as the Prefect flow main_diffusion_v1 on a local Ray cluster.
 run: install
-	$(PYTHON) -m omniflow.flows.cli validate
+	@[ -f $(MODEL)/model_index.json ] || $(PYTHON) -m omniflow.flows.cli make-tiny-model $(MODEL)
+	$(PYTHON) -m omniflow.flows.cli train actor_rollout_ref.model.path=$(MODEL)
 
 test: install
 	$(PYTHON) -m pytest

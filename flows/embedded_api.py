@@ -92,8 +92,9 @@ def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> 
     try:
         yield EmbeddedApi(url, proc, timeout_s)
     finally:
+        # PREFECT_API_URL stays set: a late Prefect call should fail to connect, not start an
+        # ephemeral server of its own that would outlive the run.
         _drain_prefect_workers()
-        os.environ.pop("PREFECT_API_URL", None)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -57,9 +57,13 @@ def run_training(args: Sequence[str]) -> int:
         if ui:
             print(f"omniflow: watch the run at {ui}/runs", flush=True)
 
+        from prefect.exceptions import TerminationSignal
+
         try:
             state = main_diffusion_v1(config=None, overrides=list(overrides), config_files=list(files), return_state=True)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit, TerminationSignal):
+            # Ctrl-C, or SIGTERM (which Prefect's engine turns into a crash + SystemExit): the flow's
+            # finally has closed the TransferQueue and the actors; Ray and the server stop below.
             print("omniflow: interrupted; the last checkpoint is intact and the run's processes are stopped", file=sys.stderr)
             return 130
         finally:

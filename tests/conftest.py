@@ -108,3 +108,17 @@ def flow_overrides(tiny_sd3_dir, flow_prompts) -> list[str]:
         "trainer.total_epochs=2",
         "trainer.logger=[console,file]",
     ]
+
+
+@pytest.fixture(scope="session")
+def flow_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
+    """The uninterrupted in-process run of the lean config: (final state, TrainResult, checkpoint dir).
+
+    Every other run of that config (resumed, retried, another process) must end with its weights.
+    """
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    ckpt = tmp_path_factory.mktemp("reference") / "ckpt"
+    state = main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}"], return_state=True)
+    assert state.is_completed(), state.message
+    return state, state.result(), ckpt

@@ -129,7 +129,7 @@ def test_config_is_immutable_and_with_updates_revalidates():
     with pytest.raises(ValidationError, match="frozen"):
         cfg.trainer.total_epochs = 9  # type: ignore[misc]
     changed = with_updates(cfg, {"trainer.total_epochs": 9})
-    assert changed.trainer.total_epochs == 9 and cfg.trainer.total_epochs == 2
+    assert changed.trainer.total_epochs == 9 and cfg.trainer.total_epochs == 6
     with pytest.raises(ConfigError) as err:
         with_updates(cfg, {"trainer.total_epochs": 0})
     assert err.value.keys == ["trainer.total_epochs"]

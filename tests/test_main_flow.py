@@ -27,12 +27,8 @@ def flows(prefect_api, ray_cluster, transfer_queue):
 
 
 @pytest.fixture(scope="module")
-def reference(flows, flow_overrides, tmp_path_factory):
-    """The uninterrupted run every other run is compared with."""
-    ckpt = tmp_path_factory.mktemp("reference") / "ckpt"
-    state = flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}"], return_state=True)
-    assert state.is_completed(), state.message
-    return state, state.result(), ckpt
+def reference(flow_reference):
+    return flow_reference
 
 
 def _read(coro):
@@ -108,29 +104,14 @@ def test_transfer_queue_holds_no_rows_after_the_run(reference):
     assert list_rows(partition_id(result.run_id, "val")) == {}
 
 
-def test_second_run_as_a_subflow_hits_the_setup_cache_and_matches(flows, reference, flow_overrides, tmp_path):
-    from prefect import flow
+def test_subflow_run_hits_the_cache_and_recovers_a_killed_actor(flows, reference, flow_overrides, tmp_path):
+    """A second run, nested in a parent flow, whose training actor is SIGKILLed after the first checkpoint.
 
-    ckpt = tmp_path / "ckpt"
-
-    @flow(name="parent-pipeline")
-    def parent() -> object:
-        return flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}"])
-
-    state = parent(return_state=True)
-    assert state.is_completed(), state.message
-    result = state.result()
-    assert type(result).__name__ == "TrainResult" and result.global_step == 2
-
-    # The setup tasks of this (second) run came from the cache of the reference run.
-    assert _read(_latest_task_state("load_tokenizer")) == "Cached"
-    assert _read(_latest_task_state("prepare_dataset")) == "Cached"
-    assert_same_weights(final_weights(ckpt), final_weights(reference[2]))
-
-
-def test_killed_training_actor_is_recovered_with_identical_weights(flows, reference, flow_overrides, tmp_path):
-    """A real fault: the training actor's process is SIGKILLed after the first checkpoint."""
+    Its setup tasks come from the reference run's cache, the retried epoch recovers the actor from the
+    checkpoint, the parent gets the typed result, and the weights equal the fault-free run's bit for bit.
+    """
     import ray
+    from prefect import flow
 
     ckpt = tmp_path / "ckpt"
     killed: list[int] = []
@@ -145,16 +126,23 @@ def test_killed_training_actor_is_recovered_with_identical_weights(flows, refere
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
+    @flow(name="parent-pipeline")
+    def parent() -> object:
+        return flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=fault"])
+
     watcher = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
     watcher.start()
-    state = flows.main_diffusion_v1(
-        overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=fault"], return_state=True
-    )
+    state = parent(return_state=True)
     watcher.join(timeout=30)
-    assert killed, "the training actor was not found to kill"
     assert state.is_completed(), state.message
+    result = state.result()
+    assert type(result).__name__ == "TrainResult" and result.global_step == 2
+    assert killed, "the training actor was not found to kill"
+
+    # The setup tasks of this (second) run came from the cache of the reference run.
+    assert _read(_latest_task_state("load_tokenizer")) == "Cached"
+    assert _read(_latest_task_state("prepare_dataset")) == "Cached"
     assert_same_weights(final_weights(ckpt), final_weights(reference[2]))
-    assert ray.is_initialized()
 
 
 def test_asking_for_a_gpu_fails_fast_with_the_key(flows, flow_overrides, tmp_path):
