@@ -58,9 +58,15 @@ def run_training(args: Sequence[str]) -> int:
             print(f"omniflow: watch the run at {ui}/runs", flush=True)
 
         from prefect.exceptions import TerminationSignal
+        from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
+        # Prefect reads its settings when first imported (`python -m omniflow.flows.main_diffusion_v1`
+        # imports it before this runs), so the run's API is set on the settings context as well; Ray
+        # workers receive this context with every task.
+        updates = {PREFECT_API_URL: api.url, PREFECT_HOME: os.environ["PREFECT_HOME"]} if api.proc else {}
         try:
-            state = main_diffusion_v1(config=None, overrides=list(overrides), config_files=list(files), return_state=True)
+            with temporary_settings(updates=updates):
+                state = main_diffusion_v1(config=None, overrides=list(overrides), config_files=list(files), return_state=True)
         except (KeyboardInterrupt, SystemExit, TerminationSignal):
             # Ctrl-C, or SIGTERM (which Prefect's engine turns into a crash + SystemExit): the flow's
             # finally has closed the TransferQueue and the actors; Ray and the server stop below.
@@ -74,7 +80,8 @@ def run_training(args: Sequence[str]) -> int:
         if not state.is_completed():
             print(f"omniflow: run {state.name}: {state.message}", file=sys.stderr)
             return 1
-        result = state.result()
+        with temporary_settings(updates=updates):
+            result = state.result()
         _report(result, config)
     return 0
 

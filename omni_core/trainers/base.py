@@ -21,7 +21,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -118,6 +117,8 @@ class PolicyGradientDiffusionTrainerV1:
 
     @property
     def total_epochs(self) -> int:
+        if self.config.trainer.val_only:  # one fit_epoch call that validates and trains nothing
+            return self.start_epoch + 1
         return -(-self.total_training_steps // self.steps_per_epoch)
 
     @property
@@ -256,13 +257,15 @@ class PolicyGradientDiffusionTrainerV1:
         result = EpochResult(epoch=epoch, global_step=self.global_step, checkpoint=None)
         self.tracking = Tracking(self.config.trainer.logger, self.run.log_dir, self.total_training_steps)
         try:
+            if self.config.trainer.val_only:
+                result.val_metrics = self._validate()
+                self.tracking.log(result.val_metrics, step=self.global_step)
+                return result
             if self.global_step == 0 and epoch == 0:
                 self.on_train_begin()
-                if self.config.trainer.val_before_train or self.config.trainer.val_only:
+                if self.config.trainer.val_before_train:
                     result.val_metrics = self._validate()
                     self.tracking.log(result.val_metrics, step=0)
-                if self.config.trainer.val_only:
-                    return result
             last_step = min((epoch + 1) * self.steps_per_epoch, self.total_training_steps)
             while self.global_step < last_step:
                 metrics = self.step()
@@ -418,12 +421,3 @@ def _prompt_items(records: list[PromptRecord], step: int) -> list[PromptItem]:
         )
         for i, r in enumerate(records)
     ]
-
-
-def checkpoint_file_summary(path: str | Path) -> dict[str, Any]:
-    """Path, step, size and sha256 of a checkpoint (for the epoch's markdown artifact)."""
-    return ckpt.checkpoint_summary(path)
-
-
-def wall_clock() -> float:
-    return time.time()
