@@ -20,7 +20,7 @@ from omni_core.config import OmniFlowConfig, load_config
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import load_prompts
 from omni_core.rewards.manager import RewardManager
-from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampler import generate, sampling_kwargs
 from omni_core.workers.training_actor import TrainingActor
 
 
@@ -42,19 +42,9 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
             traj = generate(
                 policy,
                 [r.prompt for r in batch],
-                n=rollout.n,
-                seed=rollout.seed or 0,
                 global_step=step,
                 prompt_indices=list(range(len(batch))),
-                height=rollout.pipeline.height,
-                width=rollout.pipeline.width,
-                num_inference_steps=rollout.pipeline.num_inference_steps,
-                guidance_scale=rollout.pipeline.guidance_scale,
-                noise_level=rollout.algo.noise_level,
-                sde_type=rollout.algo.sde_type,
-                sde_window_size=rollout.algo.sde_window_size,
-                sde_window_range=rollout.algo.sde_window_range,
-                max_sequence_length=rollout.pipeline.max_sequence_length,
+                **sampling_kwargs(rollout),
             )
         t1 = time.perf_counter()
         scored = rewards_fn.score(traj.images, [r.data_source for r in batch for _ in range(rollout.n)])

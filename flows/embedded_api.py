@@ -49,6 +49,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the embedded Prefect server at {url} was not healthy after {timeout_s:.0f}s")
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when this process dies, even by SIGKILL or abort (no orphan)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class EmbeddedApi:
     """The run's API: `url`, and `wait_ready()` (the server boots while the caller imports the flow)."""
 
@@ -86,6 +94,7 @@ def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> 
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, so stopping it stops its children too
+        preexec_fn=_die_with_parent,
     )
     os.environ["PREFECT_HOME"] = str(home)
     os.environ["PREFECT_API_URL"] = url

@@ -8,6 +8,8 @@ device check runs before anything is submitted.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from typing import Any
 
 import ray
@@ -30,7 +32,12 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True)
         return False
+    # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
+    # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     ray.init(num_cpus=init.num_cpus, include_dashboard=False, namespace=namespace, runtime_env=env, log_to_driver=True)
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
     return True
 
 

@@ -220,3 +220,26 @@ def validate_sample(
         v = policy.velocity(latents, t, cond, guidance_scale, height=height, width=width)
         latents = latents + v * (sigmas[i + 1] - sigmas[i]).to(policy.device)
     return policy.decode(latents, height, width)
+
+
+def sampling_kwargs(rollout, validate: bool = False) -> dict:
+    """`generate` keyword arguments from the `actor_rollout_ref.rollout` config section.
+
+    Validation (verl-omni's `val_kwargs`) changes the samples per prompt, the seed, the step count and
+    the noise level (0 = deterministic ODE sampling), and needs no log-probs.
+    """
+    val = rollout.val_kwargs
+    return {
+        "n": val.n if validate else rollout.n,
+        "seed": val.seed if validate else (rollout.seed or 0),
+        "height": rollout.pipeline.height,
+        "width": rollout.pipeline.width,
+        "num_inference_steps": val.pipeline.num_inference_steps if validate else rollout.pipeline.num_inference_steps,
+        "guidance_scale": rollout.pipeline.guidance_scale,
+        "noise_level": val.algo.noise_level if validate else rollout.algo.noise_level,
+        "sde_type": rollout.algo.sde_type,
+        "sde_window_size": rollout.algo.sde_window_size,
+        "sde_window_range": rollout.algo.sde_window_range,
+        "max_sequence_length": rollout.pipeline.max_sequence_length,
+        "calculate_log_probs": not validate,
+    }

@@ -288,7 +288,7 @@ class PolicyGradientDiffusionTrainerV1:
         self.on_step_begin()
         with timer("step"):
             records = self.dataloader.next_batch()
-            items = _prompt_items(records, step)
+            items = _prompt_items(records, f"{step:06d}")
             with timer("gen"):
                 self.on_sample_begin()
                 batch = self._rollout(self.run.train_partition, items, step, validate=False)
@@ -353,18 +353,7 @@ class PolicyGradientDiffusionTrainerV1:
         if not self.val_records:
             return {}
         self.on_validate_begin()
-        items = [
-            PromptItem(
-                uid=f"val-{self.global_step:06d}-{i:04d}",
-                index=i,
-                prompt=r.prompt,
-                negative_prompt=r.negative_prompt,
-                data_source=r.data_source,
-                ground_truth=r.ground_truth,
-                extra_info=dict(r.extra_info),
-            )
-            for i, r in enumerate(self.val_records)
-        ]
+        items = _prompt_items(self.val_records, f"val-{self.global_step:06d}")
         batch = self._rollout(self.run.val_partition, items, self.global_step, validate=True)
         rows = tqc.get_trajectories(self.run.val_partition, batch.trajectory_keys, select_fields=["rewards", "failed", "data_source"])
         tqc.clear(self.run.val_partition, batch.trajectory_keys)
@@ -407,11 +396,11 @@ class PolicyGradientDiffusionTrainerV1:
     def on_sample_end(self) -> None: ...
 
 
-def _prompt_items(records: list[PromptRecord], step: int) -> list[PromptItem]:
+def _prompt_items(records: list[PromptRecord], uid_prefix: str) -> list[PromptItem]:
     """Deterministic uids from (step, position): sortable, reproducible, never uuid4."""
     return [
         PromptItem(
-            uid=f"{step:06d}-{i:04d}",
+            uid=f"{uid_prefix}-{i:04d}",
             index=i,
             prompt=r.prompt,
             negative_prompt=r.negative_prompt,

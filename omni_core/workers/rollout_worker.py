@@ -21,7 +21,7 @@ import torch
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.models.policy import FlowPolicy
 from omni_core.rewards.manager import RewardManager
-from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampler import generate, sampling_kwargs
 from omni_core.rollout.trajectory import COND_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -91,26 +91,17 @@ class RolloutWorker:
         uids = [it.uid for it in items]
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
         rollout = self.config.actor_rollout_ref.rollout
-        n = rollout.val_kwargs.n if validate else rollout.n
         try:
+            kwargs = sampling_kwargs(rollout, validate)
+            n = kwargs.pop("n")
             traj = generate(
                 self.policy,
                 [it.prompt for it in items],
                 [it.negative_prompt or "" for it in items] if rollout.pipeline.guidance_scale > 1.0 else None,
                 n=n,
-                seed=rollout.val_kwargs.seed if validate else rollout.seed or 0,
                 global_step=0 if validate else global_step,
                 prompt_indices=[it.index for it in items],
-                height=rollout.pipeline.height,
-                width=rollout.pipeline.width,
-                num_inference_steps=rollout.val_kwargs.pipeline.num_inference_steps if validate else rollout.pipeline.num_inference_steps,
-                guidance_scale=rollout.pipeline.guidance_scale,
-                noise_level=rollout.val_kwargs.algo.noise_level if validate else rollout.algo.noise_level,
-                sde_type=rollout.algo.sde_type,
-                sde_window_size=rollout.algo.sde_window_size,
-                sde_window_range=rollout.algo.sde_window_range,
-                max_sequence_length=rollout.pipeline.max_sequence_length,
-                calculate_log_probs=not validate,
+                **kwargs,
             )
         except Exception as exc:  # the whole batch failed: tag every prompt with the reason
             reason = f"rollout worker {self.index}: {type(exc).__name__}: {exc}"
