@@ -27,18 +27,18 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TransferQueue warns about its thread count on every call
     passed = ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TQ_LOGGING_LEVEL")
     env = {"env_vars": {k: os.environ[k] for k in passed if k in os.environ}}
+    # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
+    # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     if init.address:
         # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True)
-        return False
-    # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
-    # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
-    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    ray.init(num_cpus=init.num_cpus, include_dashboard=False, namespace=namespace, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=init.num_cpus, include_dashboard=False, namespace=namespace, runtime_env=env, log_to_driver=True)
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
-    return True
+    return init.address is None
 
 
 def check_cluster_devices(config: OmniFlowConfig, resources: dict[str, Any] | None = None) -> None:
