@@ -1,0 +1,71 @@
+"""The training actor's step on the real tiny model (in-process, no Ray): ratio 1, LoRA KL, checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from omni_core.config import load_config
+from omni_core.rollout.sampler import generate, sampling_kwargs
+from omni_core.workers.training_actor import TrainingActor
+
+SMALL = [
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.pipeline.height=32",
+    "actor_rollout_ref.rollout.pipeline.width=32",
+    "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+]
+
+
+def _rollout(actor: TrainingActor, step: int):
+    rollout = actor.config.actor_rollout_ref.rollout
+    return generate(actor.policy, ["a red circle", "a blue square"], global_step=step, prompt_indices=[0, 1], **sampling_kwargs(rollout))
+
+
+def test_lora_kl_is_zero_at_init_and_positive_after_an_update(tiny_sd3_dir, one_torch_thread):
+    overrides = [
+        *SMALL,
+        f"actor_rollout_ref.model.path={tiny_sd3_dir}",
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1",
+    ]
+    actor = TrainingActor(load_config(overrides=overrides).model_dump(mode="json"), total_training_steps=4, num_threads=1)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
+    first = actor.train_on(_rollout(actor, 1), advantages, 1)
+    # LoRA's B starts at zero: the policy is the reference (adapters disabled) -> KL exactly 0, ratio exactly 1.
+    assert first["actor/kl_loss"] == 0.0
+    assert first["actor/ratio_mean"] == 1.0
+    second = actor.train_on(_rollout(actor, 2), advantages, 2)
+    assert second["actor/kl_loss"] > 0.0
+    assert actor.get_version() == 2
+
+
+def test_save_and_reset_restore_the_exact_weights(tiny_sd3_dir, one_torch_thread, tmp_path):
+    cfg = load_config(overrides=[*SMALL, f"actor_rollout_ref.model.path={tiny_sd3_dir}"]).model_dump(mode="json")
+    actor = TrainingActor(cfg, total_training_steps=4, num_threads=1)
+    actor.train_on(_rollout(actor, 1), torch.linspace(-1, 1, 8), 1)
+    saved = actor.get_weights()
+    actor.save(str(tmp_path))
+    actor.train_on(_rollout(actor, 2), torch.linspace(-1, 1, 8), 2)
+    assert actor.reset(str(tmp_path)) == 1
+    assert all(torch.equal(saved[k], v) for k, v in actor.get_weights().items())
+    assert actor.reset(None) == 0  # back to the base model and a fresh optimizer
+    assert not all(torch.equal(saved[k], v) for k, v in actor.get_weights().items())
+
+
+def test_make_tiny_model_cli_writes_a_pipeline_diffusers_loads(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "omniflow.flows.cli", "make-tiny-model", str(tmp_path / "tiny-sd3")], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "tiny-sd3"))
+    assert sum(p.numel() for p in pipe.transformer.parameters()) == 2_292_544
