@@ -16,16 +16,7 @@ def resolve_config(config: OmniFlowConfig | None, overrides: list[str], config_f
     """A flow parameter config (or the defaults / files) with `key.path=value` overrides on top."""
     if config is None:
         return load_config(config_files, overrides)
-    if overrides:
-        tree = load_config(overrides=overrides).model_dump(mode="python")  # typed + key-checked overrides
-        return with_updates(config, {key: _lookup(tree, key) for key, _ in map(parse_override, overrides)})
-    return config
-
-
-def _lookup(tree: dict, path: str):
-    for part in path.lstrip("+").split("."):
-        tree = tree[part]
-    return tree
+    return with_updates(config, dict(map(parse_override, overrides))) if overrides else config
 
 
 @task(name="validate_config", retries=0)

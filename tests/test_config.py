@@ -157,3 +157,15 @@ def test_json_schema_carries_descriptions_and_limits():
     assert "Prompts per training step" in text
     data = schema["$defs"]["DataConfig"]["properties"]["train_batch_size"]
     assert data["default"] == 2 and data["exclusiveMinimum"] == 0
+
+
+def test_flow_parameter_config_takes_overrides_on_top():
+    """The flow's `config` parameter (as the Prefect UI sends it) plus verl-style overrides."""
+    from omniflow.tasks.validate_config import resolve_config
+
+    base = load_config(overrides=["trainer.total_epochs=5"])
+    cfg = resolve_config(base, ["actor_rollout_ref.actor.optim.betas=[0.8,0.9]", "+data.seed=1"], [])
+    assert (cfg.trainer.total_epochs, cfg.actor_rollout_ref.actor.optim.betas, cfg.data.seed) == (5, (0.8, 0.9), 1)
+    with pytest.raises(ConfigError) as err:
+        resolve_config(base, ["data.trian_batch_size=3"], [])
+    assert err.value.keys == ["data.trian_batch_size"]
