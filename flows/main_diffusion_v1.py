@@ -108,13 +108,15 @@ def main_diffusion_v1(
             train, val = prepare_dataset(cfg.data, tokenizer)
             trainer = init_trainer(trainer, train, val)
             init_agent_loop(trainer)
-            epochs = fit(cfg, run, train, val, trainer.resume_from, trainer.start_epoch, trainer.total_epochs)
+            resume_from, start_step = trainer.resume_from, trainer.global_step
+            epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.total_epochs)
         finally:
             close_transfer_queue(owns_ray, run)
-    return summarize(run, epochs)
+    return summarize(run, epochs, resume_from, start_step)
 
 
-def summarize(run: RunInfo, epochs: list[EpochResult]) -> TrainResult:
+def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None = None, start_step: int = 0) -> TrainResult:
+    """The run's typed result; a run resumed after its last step trained nothing and says so."""
     steps = [m for e in epochs for m in e.step_metrics]
     rewards = [m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m]
     first = rewards[:REWARD_WINDOW]
@@ -122,8 +124,8 @@ def summarize(run: RunInfo, epochs: list[EpochResult]) -> TrainResult:
     val = next((e.val_metrics for e in reversed(epochs) if e.val_metrics), {})
     return TrainResult(
         run_id=run.run_id,
-        final_checkpoint=next((e.checkpoint for e in reversed(epochs) if e.checkpoint), None),
-        global_step=epochs[-1].global_step if epochs else 0,
+        final_checkpoint=next((e.checkpoint for e in reversed(epochs) if e.checkpoint), resume_from),
+        global_step=epochs[-1].global_step if epochs else start_step,
         final_metrics=steps[-1] if steps else {},
         val_metrics=val,
         reward_first=sum(first) / len(first) if first else math.nan,

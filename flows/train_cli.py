@@ -96,6 +96,11 @@ def _shutdown_ray() -> None:
 
 def _report(result, config) -> None:
     print("omniflow: run finished", flush=True)
+    if result.final_metrics == {} and result.global_step > 0:
+        print(
+            f"  nothing to train: resumed at step {result.global_step}, the end of this experiment; start a new one "
+            f"with trainer.experiment_name=<name> or trainer.resume_mode=disable"
+        )
     print(f"  run id:           {result.run_id}")
     print(f"  steps trained:    {result.global_step}")
     print(f"  checkpoints:      {result.checkpoint_dir} (last: {result.final_checkpoint})")
