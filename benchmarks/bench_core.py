@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Core throughput benchmark of OmniFlow's Flow-GRPO step on the tiny SD3 model (CPU, fp32).
 
-Measures, with omni_core components only and at one fixed configuration (see ``CONFIG``):
+Measures, with omni_core components only and at one fixed configuration (the project defaults, see ``bench_config``):
 
 - rollout images/s: ``omni_core.rollout.sampler.generate`` on a ``FlowPolicy`` (full fine-tuning);
 - reward time: ``jpeg_compressibility`` through ``omni_core.rewards.manager.RewardManager``;
@@ -39,51 +39,26 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages  # noqa: E402
-from omni_core.algorithms.update import (  # noqa: E402
-    PPOUpdateConfig,
-    StepOutput,
-    build_lr_scheduler,
-    build_optimizer,
-    ppo_update,
-)
+from omni_core.config import OmniFlowConfig, load_config, to_flat_dict  # noqa: E402
 from omni_core.models.policy import FlowPolicy  # noqa: E402
 from omni_core.models.tiny import build_tiny_pipeline  # noqa: E402
 from omni_core.rewards.manager import RewardManager  # noqa: E402
-from omni_core.rollout.sampler import generate, score_transitions  # noqa: E402
+from omni_core.rollout.sampler import generate, sampling_kwargs  # noqa: E402
 from omni_core.rollout.trajectory import Trajectory  # noqa: E402
+from omni_core.workers.training_actor import TrainingActor  # noqa: E402
 
 SCHEMA_VERSION = 1
 
-# The fixed workload (the "fair benchmark" of reference/diffusion-rl.md §6.4 with an SDE window of 2).
-CONFIG: dict[str, Any] = {
-    "model": "tiny sd3 (omni_core.models.tiny.build_tiny_pipeline(tmp, 'sd3', seed=0))",
-    "dtype": "float32",
-    "device": "cpu",
-    "prompts": ["a red circle on a white background", "a photo of a small black cat"],
-    "n": 8,
-    "height": 64,
-    "width": 64,
-    "num_inference_steps": 10,
-    "guidance_scale": 1.0,  # no CFG
-    "noise_level": 0.7,
-    "sde_type": "sde",
-    "sde_window_size": 2,
-    "sde_window_range": [0, 5],
-    "max_sequence_length": 32,
-    "rollout_seed": 42,
-    "lora_rank": 0,  # full fine-tuning
-    "reward": "jpeg_compressibility",
-    "optim": {"lr": 1.0e-3, "betas": [0.9, 0.999], "weight_decay": 0.01, "lr_warmup_steps": -1, "lr_scheduler_type": "constant"},
-    "ppo_mini_batch_size": 2,  # prompts; x n = 16 samples, i.e. one optimizer step per update
-    "ppo_micro_batch_size_per_gpu": 8,
-    "ppo_epochs": 1,
-    "clip_ratio": 1.0e-4,
-    "adv_clip_max": 5.0,
-    "grad_clip": 1.0,
-    "kl_coef": 0.0,
-    "shuffle": False,
-    "data_loader_seed": 42,
-}
+# The fixed workload (the "fair benchmark" of reference/diffusion-rl.md §6.4 with an SDE window of 2):
+# the project's defaults (omni_core/config/defaults.yaml: 2 prompts x 8 samples, 64 px, 10 steps,
+# window 2, fp32, full fine-tuning, lr 1e-3, one optimizer step per update, KL off) on the tiny SD3
+# model, run through the same components the flow uses (TrainingActor, sampler, reward manager).
+PROMPTS = ["a red circle on a white background", "a photo of a small black cat"]
+REWARD = "jpeg_compressibility"
+
+
+def bench_config(model_path: Path) -> OmniFlowConfig:
+    return load_config(overrides=[f"actor_rollout_ref.model.path={model_path}"])
 
 # CPU SDPA dispatches to ops that FlopCounterMode (torch 2.x) has no formula for; without these the
 # attention FLOPs would be silently missing. Same formulas torch uses for the flash/efficient kernels.
@@ -172,28 +147,12 @@ class OtherCpuLoad:
 
 
 # ------------------------------------------------------------------------------------------ parts
-def bench_rollout(policy: FlowPolicy, repeats: int) -> tuple[Trajectory, dict[str, Any]]:
-    c = CONFIG
+def bench_rollout(policy: FlowPolicy, config: OmniFlowConfig, repeats: int) -> tuple[Trajectory, dict[str, Any]]:
     out: dict[str, Trajectory] = {}
+    kwargs = sampling_kwargs(config.actor_rollout_ref.rollout)
 
     def run() -> None:
-        out["traj"] = generate(
-            policy,
-            c["prompts"],
-            n=c["n"],
-            seed=c["rollout_seed"],
-            global_step=0,
-            height=c["height"],
-            width=c["width"],
-            num_inference_steps=c["num_inference_steps"],
-            guidance_scale=c["guidance_scale"],
-            noise_level=c["noise_level"],
-            sde_type=c["sde_type"],
-            sde_window_size=c["sde_window_size"],
-            sde_window_range=c["sde_window_range"],
-            max_sequence_length=c["max_sequence_length"],
-            calculate_log_probs=True,
-        )
+        out["traj"] = generate(policy, PROMPTS, global_step=0, prompt_indices=list(range(len(PROMPTS))), **kwargs)
 
     stats = time_calls(run, repeats)
     traj = out["traj"]
@@ -203,11 +162,11 @@ def bench_rollout(policy: FlowPolicy, repeats: int) -> tuple[Trajectory, dict[st
 
 
 def bench_reward(images: torch.Tensor, repeats: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    manager = RewardManager({"reward_functions": [CONFIG["reward"]]})
+    manager = RewardManager({"reward_functions": [REWARD]})
     out: dict[str, Any] = {}
 
     def run() -> None:
-        out["result"] = manager.score(images, CONFIG["reward"])
+        out["result"] = manager.score(images, REWARD)
 
     stats = time_calls(run, repeats)
     result = out["result"]
@@ -218,66 +177,19 @@ def bench_reward(images: torch.Tensor, repeats: int) -> tuple[torch.Tensor, dict
     return result.scores, stats
 
 
-def _score(policy: FlowPolicy, traj: Trajectory, j: int):
-    return score_transitions(
-        policy, traj, j, guidance_scale=CONFIG["guidance_scale"], noise_level=CONFIG["noise_level"], sde_type=CONFIG["sde_type"]
-    )
-
-
-@torch.no_grad()
-def old_log_probs(policy: FlowPolicy, traj: Trajectory) -> torch.Tensor:
-    """As ``TrainingActor._old_log_probs``: micro-batch by micro-batch, in the update's layout."""
-    micro = CONFIG["ppo_micro_batch_size_per_gpu"]
-    out = torch.empty_like(traj.log_probs)
-    for start in range(0, traj.batch_size, micro):
-        idx = torch.arange(start, min(start + micro, traj.batch_size))
-        part = traj.index_select(idx)
-        for j in range(traj.window_size):
-            out[idx, j] = _score(policy, part, j)[0].float().cpu()
-    return out
-
-
-def bench_train(policy: FlowPolicy, traj: Trajectory, advantages: torch.Tensor, repeats: int) -> dict[str, Any]:
-    """Old log-probs + one ``ppo_update`` per run, as ``TrainingActor.train_step`` (KL off)."""
-    c = CONFIG
-    optimizer = build_optimizer(c["optim"], policy.trainable_parameters())
-    lr_scheduler = build_lr_scheduler(c["optim"], optimizer, 1 + repeats)
-
-    def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
-        part = traj.index_select(mb["sample"])
-        log_prob, mean, std = _score(policy, part, j)
-        return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std)
-
-    old_times, upd_times, ratios, ratio_stds, losses, grad_norms, max_abs_lp = [], [], [], [], [], [], []
-    for step in range(1 + repeats):
-        t0 = time.perf_counter()
-        old = old_log_probs(policy, traj)
-        t1 = time.perf_counter()
-        cfg = PPOUpdateConfig(
-            mini_batch_size=c["ppo_mini_batch_size"] * c["n"],
-            micro_batch_size=c["ppo_micro_batch_size_per_gpu"],
-            ppo_epochs=c["ppo_epochs"],
-            clip_ratio=c["clip_ratio"],
-            adv_clip_max=c["adv_clip_max"],
-            kl_coef=c["kl_coef"],
-            grad_clip=c["grad_clip"],
-            shuffle=c["shuffle"],
-            seed=c["data_loader_seed"] + step,
-        )
-        batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(traj.batch_size)}
-        policy.transformer.train()
-        t2 = time.perf_counter()
-        metrics = ppo_update(policy.transformer, optimizer, lr_scheduler, batch, step_fn=step_fn, cfg=cfg)
-        t3 = time.perf_counter()
-        old_times.append(t1 - t0)
-        upd_times.append(t3 - t2)
+def bench_train(actor: TrainingActor, traj: Trajectory, advantages: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """Old log-probs + one ``ppo_update`` per run: ``TrainingActor.train_on``, as the flow's step runs it."""
+    # Before any update: the recomputed old log-probs vs the rollout's (different batch layout).
+    max_abs_lp = float((actor._old_log_probs(traj) - traj.log_probs).abs().max())
+    old_times, upd_times, ratios, ratio_stds, losses, grad_norms = [], [], [], [], [], []
+    for step in range(1, 2 + repeats):
+        metrics = actor.train_on(traj, advantages, step)
+        old_times.append(metrics["timing_s/old_log_prob"])
+        upd_times.append(metrics["timing_s/update_actor"])
         ratios.append(metrics["actor/ratio_mean"])
         ratio_stds.append(metrics["actor/ratio_std"])
         losses.append(metrics["actor/pg_loss"])
         grad_norms.append(metrics["actor/grad_norm"])
-        if step == 0:
-            # Before any update: the recomputed old log-probs vs the rollout's (different batch layout).
-            max_abs_lp = [float((old - traj.log_probs).abs().max())]
     update = _summary(upd_times[1:], upd_times[:1])
     update["samples"] = traj.batch_size
     update["samples_per_s"] = traj.batch_size / update["median_s"]
@@ -291,16 +203,17 @@ def bench_train(policy: FlowPolicy, traj: Trajectory, advantages: torch.Tensor, 
         "ratio_std_per_update": ratio_stds,
         "pg_loss_per_update": losses,
         "grad_norm_per_update": grad_norms,
-        "old_vs_rollout_log_prob_max_abs_diff": max_abs_lp[0],
+        "old_vs_rollout_log_prob_max_abs_diff": max_abs_lp,
     }
 
 
-def bench_transformer_flops(policy: FlowPolicy, traj: Trajectory, repeats: int) -> dict[str, Any]:
+def bench_transformer_flops(policy: FlowPolicy, config: OmniFlowConfig, traj: Trajectory, repeats: int) -> dict[str, Any]:
     """FLOPs and wall time of one transformer forward + backward on the training micro-batch (step 0)."""
-    micro = CONFIG["ppo_micro_batch_size_per_gpu"]
+    micro = config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    pipeline = config.actor_rollout_ref.rollout.pipeline
     part = traj.index_select(torch.arange(micro))
     x, t = part.latents[:, 0].contiguous(), part.timesteps[:, 0].contiguous()
-    h, w = CONFIG["height"], CONFIG["width"]
+    h, w = pipeline.height, pipeline.width
     cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
     params = policy.trainable_parameters()
     policy.transformer.train()
@@ -310,7 +223,7 @@ def bench_transformer_flops(policy: FlowPolicy, traj: Trajectory, repeats: int) 
             p.grad = None
 
     def run() -> None:
-        v = policy.velocity(x, t, part.cond, CONFIG["guidance_scale"], height=h, width=w)
+        v = policy.velocity(x, t, part.cond, pipeline.guidance_scale, height=h, width=w)
         (v * cotangent).sum().backward()
 
     zero()
@@ -413,24 +326,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="omniflow-bench-") as tmp:
         t0 = time.perf_counter()
         path = build_tiny_pipeline(Path(tmp) / "tiny-sd3", "sd3", seed=0)
-        policy = FlowPolicy(path, architecture="sd3", lora_rank=CONFIG["lora_rank"], dtype=torch.float32, device="cpu")
+        config = bench_config(path)
+        actor = TrainingActor(config.model_dump(mode="json"), 2 + repeats, os.cpu_count() or 1)
+        policy = actor.policy
         setup_s = time.perf_counter() - t0
         n_params = sum(p.numel() for p in policy.base_transformer.parameters())
         n_trainable = sum(p.numel() for p in policy.trainable_parameters())
 
         loads: dict[str, float | None] = {}
         with OtherCpuLoad() as load:
-            traj, rollout = bench_rollout(policy, repeats)
+            traj, rollout = bench_rollout(policy, config, repeats)
         loads["rollout"] = load.value
         with OtherCpuLoad() as load:
             scores, reward = bench_reward(traj.images, max(repeats, 10))
         loads["reward"] = load.value
         advantages = compute_flow_grpo_advantages(scores, traj.prompt_index)
         with OtherCpuLoad() as load:
-            train = bench_train(policy, traj, advantages, repeats)
+            train = bench_train(actor, traj, advantages, repeats)
         loads["train"] = load.value
         with OtherCpuLoad() as load:
-            fwd_bwd = bench_transformer_flops(policy, traj, repeats)
+            fwd_bwd = bench_transformer_flops(policy, config, traj, repeats)
         loads["transformer_fwd_bwd"] = load.value
         with OtherCpuLoad() as load:
             matmul = bench_matmul_peak([1024, 1536] if args.quick else [1024, 1536, 2048], 3 if args.quick else 5)
@@ -450,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": _versions(),
         "machine": machine,
-        "config": CONFIG,
+        "config": {"prompts": PROMPTS, "reward": REWARD, **to_flat_dict(config)},
         "model": {"transformer_params": n_params, "trainable_params": n_trainable, "setup_s": setup_s},
         "rollout": rollout,
         "reward": reward,
@@ -475,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}")
     print(
         f"rollout   {rollout['images_per_s']:.2f} images/s  (median {rollout['median_s']:.3f} s / {rollout['images']} images)\n"
-        f"reward    {reward['median_s'] * 1e3:.1f} ms / {traj.batch_size} images ({CONFIG['reward']})\n"
+        f"reward    {reward['median_s'] * 1e3:.1f} ms / {traj.batch_size} images ({REWARD})\n"
         f"old lp    {train['old_log_prob']['median_s']:.3f} s\n"
         f"update    {train['ppo_update']['samples_per_s']:.2f} samples/s  (median {train['ppo_update']['median_s']:.3f} s)\n"
         f"end2end   {result['derived']['end_to_end_samples_per_s']:.2f} samples/s  (step {step_s:.2f} s)\n"
