@@ -42,4 +42,3 @@ def save_image_grid(images: torch.Tensor, path: str | Path, ncols: int | None = 
 def png_data_uri(path: str | Path) -> str:
     """`data:image/png;base64,...` of a PNG file, for markdown artifacts."""
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
-
