@@ -18,6 +18,7 @@ the flow starts). CLI: `python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml]
 
 from __future__ import annotations
 
+import datetime
 import math
 import sys
 from collections.abc import Sequence
@@ -60,6 +61,12 @@ class TrainResult(BaseModel):
     log_dir: str = Field(description="The run's metrics (metrics.jsonl, TensorBoard) folder.")
 
 
+def run_stamp() -> str:
+    """`<scheduled start, UTC, %Y%m%d-%H%M%S>-<flow run name>`: unique per run, sortable, readable."""
+    start = runtime.flow_run.scheduled_start_time
+    return f"{start.astimezone(datetime.UTC):%Y%m%d-%H%M%S}-{runtime.flow_run.name or 'local'}"
+
+
 def make_run_info(config: OmniFlowConfig) -> RunInfo:
     """Run identity from the flow run: partitions and actor names of concurrent runs never collide."""
     flow_run_id = str(runtime.flow_run.id or "local")[:8]
@@ -79,7 +86,9 @@ def fit(
     total_epochs: int,
 ) -> list[EpochResult]:
     """verl-omni's `trainer.fit()`: one `fit_epoch` task per epoch, each on a Ray worker, in order."""
-    progress = create_progress_artifact(progress=100.0 * start_epoch / total_epochs, key="omniflow-progress", description="Training progress (steps done / total)")
+    progress = create_progress_artifact(
+        progress=100.0 * start_epoch / total_epochs, key="omniflow-progress", description="Training progress (steps done / total)"
+    )
     results = []
     for epoch in range(start_epoch, total_epochs):
         future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
@@ -92,13 +101,16 @@ def main_diffusion_v1(
     config: OmniFlowConfig | None = None,
     overrides: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)
     config_files: list[str] = [],  # noqa: B006
+    new_experiment_per_run: bool = False,
 ) -> TrainResult:
     """Fine-tune a diffusion model with Flow-GRPO (verl-omni's main_diffusion_v1, stage by stage).
 
     `config`: the whole config (defaults when omitted); `overrides`: verl-style `key.path=value`
-    strings applied on top; `config_files`: YAML files read first when `config` is omitted.
+    strings applied on top; `config_files`: YAML files read first when `config` is omitted;
+    `new_experiment_per_run`: name the experiment after this flow run, so a scheduled run starts a
+    new experiment instead of resuming the last one.
     """
-    cfg = validate_config(config, overrides, config_files)
+    cfg = validate_config(config, overrides, config_files, run_stamp() if new_experiment_per_run else None)
     run = make_run_info(cfg)
     with RunLock(run.checkpoint_dir, run.run_id):
         owns_ray = init_transfer_queue(cfg)

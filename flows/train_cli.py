@@ -107,7 +107,9 @@ def _report(result, config) -> None:
     print(f"  metrics:          {result.log_dir}")
     print("  artifacts:        omniflow-epoch-metrics, omniflow-checkpoint, omniflow-progress (Prefect UI, Artifacts)")
     print(f"  mean reward, first steps: {result.reward_first:.6f}")
-    print(f"  mean reward, last steps:  {result.reward_last:.6f}  ({'higher' if result.reward_last > result.reward_first else 'not higher'})")
+    print(
+        f"  mean reward, last steps:  {result.reward_last:.6f}  ({'higher' if result.reward_last > result.reward_first else 'not higher'})"
+    )
     if result.val_metrics:
         print(f"  validation:       {result.val_metrics}")
     home = os.environ.get("PREFECT_HOME")

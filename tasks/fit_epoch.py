@@ -34,7 +34,14 @@ TABLE_COLUMNS = (
 )
 
 
-@task(name="fit_epoch", task_run_name="fit_epoch-{epoch}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, timeout_seconds=6 * 3600)
+@task(
+    name="fit_epoch",
+    task_run_name="fit_epoch-{epoch}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    timeout_seconds=6 * 3600,
+)
 def fit_epoch(
     config: OmniFlowConfig,
     run: RunInfo,
@@ -64,10 +71,15 @@ def fit_epoch(
 
 
 def _publish(result: EpochResult) -> None:
-    rows = [{k.split("/")[-1] if k != "training/global_step" else "step": round(m.get(k, float("nan")), 6) for k in TABLE_COLUMNS} for m in result.step_metrics]
+    rows = [
+        {k.split("/")[-1] if k != "training/global_step" else "step": round(m.get(k, float("nan")), 6) for k in TABLE_COLUMNS}
+        for m in result.step_metrics
+    ]
     if result.val_metrics:
         rows.append({"step": result.global_step, **{k: round(v, 6) for k, v in result.val_metrics.items()}})
-    create_table_artifact(key="omniflow-epoch-metrics", table=rows, description=f"Metrics of epoch {result.epoch}, one row per step")
+    create_table_artifact(
+        key="omniflow-epoch-metrics", table=rows, description=f"Metrics of epoch {result.epoch}, one row per step"
+    )
     if result.checkpoint:
         s = checkpoint_summary(result.checkpoint)
         create_markdown_artifact(

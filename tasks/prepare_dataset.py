@@ -27,7 +27,15 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
     files = [resolve_data_path(f) for f in _files(data.train_files) + _files(data.val_files)]
     fields = {
         k: getattr(data, k)
-        for k in ("train_files", "val_files", "prompt_key", "negative_prompt_key", "train_max_samples", "val_max_samples", "max_prompt_length")
+        for k in (
+            "train_files",
+            "val_files",
+            "prompt_key",
+            "negative_prompt_key",
+            "train_max_samples",
+            "val_max_samples",
+            "max_prompt_length",
+        )
     }
     fields["tokenizer"] = getattr(parameters["tokenizer"], "name_or_path", str(type(parameters["tokenizer"])))
     return key_of("dataset", files, fields)
@@ -48,10 +56,18 @@ def check_prompt_lengths(records: list[PromptRecord], tokenizer: Any, max_len: i
 def prepare_dataset(data: DataConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(train prompts, validation prompts), each checked against `data.max_prompt_length`."""
     train = load_prompts(
-        _files(data.train_files), prompt_key=data.prompt_key, negative_prompt_key=data.negative_prompt_key, max_samples=data.train_max_samples
+        _files(data.train_files),
+        prompt_key=data.prompt_key,
+        negative_prompt_key=data.negative_prompt_key,
+        max_samples=data.train_max_samples,
     )
     val = (
-        load_prompts(_files(data.val_files), prompt_key=data.prompt_key, negative_prompt_key=data.negative_prompt_key, max_samples=data.val_max_samples)
+        load_prompts(
+            _files(data.val_files),
+            prompt_key=data.prompt_key,
+            negative_prompt_key=data.negative_prompt_key,
+            max_samples=data.val_max_samples,
+        )
         if data.val_files
         else []
     )
