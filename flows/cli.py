@@ -76,6 +76,12 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return run_training(ns.args)
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from omniflow.deployments.serve import main as serve_main
+
+    return serve_main(ns.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow",
@@ -99,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", help="YAML files, then key.path=value overrides")
     train.set_defaults(func=_cmd_train)
 
+    serve = sub.add_parser(
+        "serve", help="serve the deployments of deployments/prefect.yaml (schedules, UI-triggered runs) from this process"
+    )
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="[NAME ...] [--file prefect.yaml] [--limit N]")
+    serve.set_defaults(func=_cmd_serve)
+
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (save_pretrained)")
     tiny.add_argument("dir", help="output folder")
     tiny.add_argument("--arch", choices=["sd3", "flux"], default="sd3")
@@ -116,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from omni_core.config import ConfigError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # its own parser (and --help)
+        return _cmd_serve(argparse.Namespace(args=argv[1:]))
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -72,6 +72,61 @@ class EmbeddedApi:
             _wait_healthy(self.url, self.proc, self.timeout_s)
 
 
+class PrefectServer:
+    """`prefect server start` on a free loopback port with its own PREFECT_HOME (SQLite), as a subprocess.
+
+    Its own process group, and SIGTERM when this process dies (even by SIGKILL): no orphan server.
+    Changes nothing in this process's environment; `embedded_prefect_api` does that for a run.
+    """
+
+    def __init__(self, home: str | Path, port: int | None = None):
+        self.home = Path(home).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def ui_url(self) -> str:
+        return self.url.removesuffix("/api")
+
+    def start(self) -> PrefectServer:
+        env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+        env.pop("PREFECT_API_URL", None)
+        # The bundled UI calls the API at this URL (its default is port 4200, whatever --port says).
+        env["PREFECT_UI_API_URL"] = env["PREFECT_SERVER_UI_API_URL"] = self.url
+        self._log = open(self.home / "server.log", "ab")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(
+            [*_prefect_executable(), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so stopping it stops its children too
+            preexec_fn=_die_with_parent,
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        assert self.proc is not None, "start() first"
+        _wait_healthy(self.url, self.proc, timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        if self._log is not None:
+            self._log.close()
+        self.proc = None
+
+
 @contextlib.contextmanager
 def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> Iterator[EmbeddedApi]:
     """The run's Prefect API: the user's `PREFECT_API_URL`, or a server started here (and stopped at exit).
@@ -82,37 +137,16 @@ def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> 
     if os.environ.get("PREFECT_API_URL"):
         yield EmbeddedApi(os.environ["PREFECT_API_URL"])
         return
-    home = Path(os.environ.get("PREFECT_HOME") or home or DEFAULT_HOME).resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-    log = open(home / "server.log", "ab")  # noqa: SIM115  (closed in the finally below)
-    proc = subprocess.Popen(
-        [*_prefect_executable(), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group, so stopping it stops its children too
-        preexec_fn=_die_with_parent,
-    )
-    os.environ["PREFECT_HOME"] = str(home)
-    os.environ["PREFECT_API_URL"] = url
+    server = PrefectServer(os.environ.get("PREFECT_HOME") or home or DEFAULT_HOME).start()
+    os.environ["PREFECT_HOME"] = str(server.home)
+    os.environ["PREFECT_API_URL"] = server.url
     try:
-        yield EmbeddedApi(url, proc, timeout_s)
+        yield EmbeddedApi(server.url, server.proc, timeout_s)
     finally:
         # PREFECT_API_URL stays set: a late Prefect call should fail to connect, not start an
         # ephemeral server of its own that would outlive the run.
         _drain_prefect_workers()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
+        server.stop()
 
 
 def _drain_prefect_workers() -> None:

@@ -105,10 +105,16 @@ def main_diffusion_v1(
 ) -> TrainResult:
     """Fine-tune a diffusion model with Flow-GRPO (verl-omni's main_diffusion_v1, stage by stage).
 
-    `config`: the whole config (defaults when omitted); `overrides`: verl-style `key.path=value`
-    strings applied on top; `config_files`: YAML files read first when `config` is omitted;
-    `new_experiment_per_run`: name the experiment after this flow run, so a scheduled run starts a
-    new experiment instead of resuming the last one.
+    Args:
+        config: The whole training config (verl-omni key paths); omitted fields take their defaults.
+            Leave empty to start from the defaults, or from `config_files`.
+        overrides: verl-style `key.path=value` strings applied on top of the config, e.g.
+            `data.train_batch_size=8` or `actor_rollout_ref.rollout.n=8`.
+        config_files: YAML config files read in order when `config` is empty (paths on the machine
+            that runs the flow).
+        new_experiment_per_run: Start a new experiment named after this run
+            (`<trainer.experiment_name>-<scheduled start>-<flow run name>`) instead of resuming the
+            experiment's last checkpoint; scheduled deployments set it.
     """
     cfg = validate_config(config, overrides, config_files, run_stamp() if new_experiment_per_run else None)
     run = make_run_info(cfg)

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-_QUIET_ENV = {
+QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -30,7 +30,7 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
 
 
 def run_training(args: Sequence[str]) -> int:
-    for key, value in _QUIET_ENV.items():
+    for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     from omniflow.flows.cli import _split_files_and_overrides
     from omniflow.flows.embedded_api import embedded_prefect_api

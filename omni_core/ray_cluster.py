@@ -35,10 +35,29 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=init.num_cpus, include_dashboard=False, namespace=namespace, runtime_env=env, log_to_driver=True)
+        ray.init(
+            num_cpus=init.num_cpus,
+            include_dashboard=init.include_dashboard,
+            namespace=namespace,
+            runtime_env=env,
+            log_to_driver=True,
+        )
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     return init.address is None
+
+
+def dashboard_url() -> str | None:
+    """`http://host:port` of the connected cluster's Ray dashboard, or None when it runs none."""
+    try:
+        from ray._private.worker import get_dashboard_url  # no public accessor after ray.init in Ray 2.60
+
+        url = get_dashboard_url()
+    except Exception:
+        return None
+    if not url:
+        return None
+    return url if url.startswith("http") else f"http://{url}"
 
 
 def check_cluster_devices(config: OmniFlowConfig, resources: dict[str, Any] | None = None) -> None:

@@ -6,10 +6,10 @@ CPUs) and checks the cluster has what the run reserves, so nothing is left pendi
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from omni_core.config import OmniFlowConfig
-from omni_core.ray_cluster import check_cluster_devices, connect_ray
+from omni_core.ray_cluster import check_cluster_devices, connect_ray, dashboard_url
 from omni_core.tq.client import init_transfer_queue as start_transfer_queue
 
 
@@ -17,6 +17,10 @@ from omni_core.tq.client import init_transfer_queue as start_transfer_queue
 def init_transfer_queue(config: OmniFlowConfig) -> bool:
     """Returns True when this run started the Ray cluster (and so must shut it down)."""
     owns_ray = connect_ray(config)
+    url = dashboard_url()
+    get_run_logger().info(
+        f"Ray dashboard: {url}" if url else "Ray dashboard: not running (ray_kwargs.ray_init.include_dashboard=true starts it)"
+    )
     check_cluster_devices(config)
     start_transfer_queue(config.transfer_queue)
     return owns_ray

@@ -25,7 +25,8 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, namespace=RAY_TEST_NAMESPACE, log_to_driver=True)
+        # The dashboard runs so that Ray's state API (actor and task names) can be checked.
+        ray.init(num_cpus=16, include_dashboard=True, namespace=RAY_TEST_NAMESPACE, log_to_driver=True)
     yield ray
     ray.shutdown()
 
@@ -36,7 +37,16 @@ def transfer_queue(ray_cluster):
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
-    tq.init(OmegaConf.create({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2, "total_storage_size": 100000}}}))
+    tq.init(
+        OmegaConf.create(
+            {
+                "backend": {
+                    "storage_backend": "SimpleStorage",
+                    "SimpleStorage": {"num_data_storage_units": 2, "total_storage_size": 100000},
+                }
+            }
+        )
+    )
     yield tq
     tq.close()
 

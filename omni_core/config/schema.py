@@ -259,9 +259,7 @@ _rw = _Section("reward")
 
 
 class RewardConfig(ConfigModel):
-    custom_reward_function: CustomRewardFunctionConfig = _rw.section(
-        "custom_reward_function", CustomRewardFunctionConfig
-    )
+    custom_reward_function: CustomRewardFunctionConfig = _rw.section("custom_reward_function", CustomRewardFunctionConfig)
     reward_functions: tuple[RewardFunctionSpec, ...] = _rw("reward_functions")
     aggregation: Literal["weighted_sum"] = _rw("aggregation")
 
@@ -376,6 +374,7 @@ _ri = _Section("ray_kwargs.ray_init")
 class RayInitConfig(ConfigModel):
     address: str | None = _ri("address")
     num_cpus: PositiveInt | None = _ri("num_cpus")
+    include_dashboard: bool = _ri("include_dashboard")
 
 
 _rk = _Section("ray_kwargs")
@@ -396,9 +395,7 @@ class OmniFlowConfig(ConfigModel):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description=_COMMENTS.get("algorithm"))
     reward: RewardConfig = Field(default_factory=RewardConfig, description=_COMMENTS.get("reward"))
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description=_COMMENTS.get("trainer"))
-    transfer_queue: TransferQueueConfig = Field(
-        default_factory=TransferQueueConfig, description=_COMMENTS.get("transfer_queue")
-    )
+    transfer_queue: TransferQueueConfig = Field(default_factory=TransferQueueConfig, description=_COMMENTS.get("transfer_queue"))
     ray_kwargs: RayKwargsConfig = Field(default_factory=RayKwargsConfig, description=_COMMENTS.get("ray_kwargs"))
 
 

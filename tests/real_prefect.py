@@ -1,0 +1,90 @@
+"""Helpers of the real-server tests: a `prefect server start` per test module, CLI calls against it,
+served / worker subprocesses, and bounded waits on flow runs through the API."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def server_env(url: str, home: Path, **extra: str) -> dict[str, str]:
+    """Environment of a process that talks to the server at `url` (and only to it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_API_URL=url,
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        RAY_USAGE_STATS_ENABLED="0",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+        **extra,
+    )
+    return env
+
+
+def prefect_cli(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("prefect")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "prefect"]
+    return subprocess.run([*cmd, "--no-prompt", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def start_process(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+    """A long-lived child (serve, a worker) in its own process group, output to `log`."""
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # noqa: SIM115
+    )
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM the process group (as systemd / Kubernetes stop a service), then SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def api(url: str) -> Iterator[Any]:
+    """A sync Prefect client of the server at `url` (the test session's harness stays untouched)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        yield client
+
+
+def wait_final(url: str, flow_run_id: Any, timeout_s: float, log: Path | None = None) -> Any:
+    """The flow run once it is in a final state; fails with the serving process's log tail otherwise."""
+    deadline = time.monotonic() + timeout_s
+    with api(url) as client:
+        while time.monotonic() < deadline:
+            run = client.read_flow_run(flow_run_id)
+            if run.state and run.state.type.value in FINAL:
+                return run
+            time.sleep(1.0)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    raise AssertionError(f"flow run {flow_run_id} not finished after {timeout_s:.0f}s (state {run.state}); log tail:\n{tail}")
+
+
+def deployment(client: Any, flow_name: str, name: str) -> Any:
+    return client.read_deployment_by_name(f"{flow_name}/{name}")

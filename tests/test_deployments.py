@@ -1,0 +1,301 @@
+"""Deployments against real Prefect servers (`prefect server start` on 127.0.0.1, temporary PREFECT_HOME).
+
+Two servers, started and stopped here, one per way of deploying:
+- "served": `python -m omniflow.deployments.serve` serves deployments/prefect.yaml from one process;
+- "pooled": `prefect deploy --all` registers the same file against a process work pool and
+  `prefect worker start --pool omniflow-process` runs what is triggered.
+
+The runs are triggered through the API as the UI does (a flow run created from a deployment with
+parameters), all at module set-up so that they run side by side; each test then waits for its own.
+The browser test opens the served run's page in Debian chromium and keeps a screenshot.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterParentFlowRunId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from real_prefect import REPO, api, deployment, prefect_cli, server_env, start_process, stop_process, wait_final
+
+pytestmark = pytest.mark.timeout(600)
+
+RUN_TIMEOUT_S = 420
+FLOW = "main_diffusion_v1"
+DEPLOYMENTS = {"tiny-sd3-nightly", "tiny-sd3-on-demand"}
+
+
+@dataclass
+class Stack:
+    root: Path
+    served_url: str
+    pooled_url: str
+    deploy_output: Any = None
+    serve: Any = None
+    worker: Any = None
+    runs: dict[str, Any] = field(default_factory=dict)
+
+
+def _lean(flow_overrides: list[str], ckpt: Path, experiment: str) -> list[str]:
+    return [
+        *flow_overrides,
+        "trainer.total_epochs=1",
+        f"trainer.default_local_dir={ckpt}",
+        f"trainer.experiment_name={experiment}",
+    ]
+
+
+def _wait_for_deployments(url: str, names: set[str], log: Path, timeout_s: float = 180) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    with api(url) as client:
+        while time.monotonic() < deadline:
+            if names <= {d.name for d in client.read_deployments()}:
+                return
+            time.sleep(1.0)
+    raise AssertionError(f"deployments {names} did not appear; serve log:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, flow_overrides):
+    from omniflow.flows.embedded_api import PrefectServer
+
+    root = tmp_path_factory.mktemp("deployments")
+    served, pooled = PrefectServer(root / "served-home"), PrefectServer(root / "pooled-home")
+    served.start(), pooled.start()
+    s = Stack(root, served.url, pooled.url)
+    try:
+        served.wait_ready(), pooled.wait_ready()
+        served_env, pooled_env = server_env(served.url, served.home), server_env(pooled.url, pooled.home)
+        s.serve = start_process([sys.executable, "-m", "omniflow.deployments.serve"], served_env, root, root / "serve.log")
+
+        # The README's commands for work pools, from a project folder (the worker's working directory).
+        pool = prefect_cli(["work-pool", "create", "omniflow-process", "--type", "process"], pooled_env, root)
+        assert pool.returncode == 0, pool.stdout + pool.stderr
+        s.deploy_output = prefect_cli(
+            ["deploy", "--all", "--prefect-file", str(REPO / "deployments" / "prefect.yaml")], pooled_env, root, 240
+        )
+        assert s.deploy_output.returncode == 0, s.deploy_output.stdout[-3000:] + s.deploy_output.stderr[-3000:]
+        prefect = [str(Path(sys.executable).with_name("prefect"))]
+        s.worker = start_process(
+            [*prefect, "worker", "start", "--pool", "omniflow-process"], pooled_env, root, root / "worker.log"
+        )
+
+        _wait_for_deployments(served.url, DEPLOYMENTS, root / "serve.log")
+        with api(served.url) as client:
+            on_demand = deployment(client, FLOW, "tiny-sd3-on-demand")
+            # Non-default parameters, as the UI's "Custom run" form sends them: typed config fields
+            # plus verl-style overrides, and a new experiment per run.
+            s.runs["served"] = client.create_flow_run_from_deployment(
+                on_demand.id,
+                parameters={
+                    "config": {"trainer": {"project_name": "ui", "logger": ["console", "file"]}},
+                    "overrides": _lean(flow_overrides, root / "served-ckpt", "ui-run"),
+                    "new_experiment_per_run": True,
+                },
+            )
+            # Passes the schema (positive ints) but breaks a cross-field rule of validate_config.
+            s.runs["cross_field"] = client.create_flow_run_from_deployment(
+                on_demand.id,
+                parameters={
+                    "config": {"data": {"train_batch_size": 3}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}}},
+                    "overrides": [
+                        o
+                        for o in flow_overrides
+                        if o.startswith(("actor_rollout_ref.model", "data.train_files", "data.val_files"))
+                    ],
+                },
+            )
+        with api(pooled.url) as client:
+            s.runs["pooled"] = client.create_flow_run_from_deployment(
+                deployment(client, FLOW, "tiny-sd3-on-demand").id,
+                parameters={"overrides": _lean(flow_overrides, root / "pooled-ckpt", "pool-run")},
+            )
+        yield s
+    finally:
+        for proc in (s.serve, s.worker):
+            if proc is not None and proc.poll() is None:
+                stop_process(proc)
+        served.stop(), pooled.stop()
+
+
+# ----------------------------------------------------------------------------- serve path
+def test_served_deployments_appear_with_their_schedule(stack):
+    now = datetime.datetime.now(datetime.UTC)
+    with api(stack.served_url) as client:
+        deps = {d.name: d for d in client.read_deployments()}
+        assert DEPLOYMENTS <= deps.keys()
+        nightly = deps["tiny-sd3-nightly"]
+        assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"] and nightly.schedules[0].active
+        assert nightly.parameters["new_experiment_per_run"] is True
+        assert "nightly" in nightly.tags and nightly.description.startswith("Nightly Flow-GRPO")
+        scheduled = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"]))),
+        )
+    starts = sorted(r.expected_start_time for r in scheduled)
+    assert starts, "the cron deployment has no scheduled run"
+    nxt = starts[0]
+    assert now < nxt <= now + datetime.timedelta(days=1) and (nxt.hour, nxt.minute) == (3, 0)
+
+
+def test_on_demand_run_with_ui_parameters_completes_with_artifacts(stack):
+    run = wait_final(stack.served_url, stack.runs["served"].id, RUN_TIMEOUT_S, stack.root / "serve.log")
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.parameters["new_experiment_per_run"] is True
+    # Its own experiment: <name>-<scheduled start>-<flow run name>, in a subfolder of default_local_dir.
+    stamp = f"{run.expected_start_time.astimezone(datetime.UTC):%Y%m%d-%H%M%S}-{run.name}"
+    ckpt = stack.root / "served-ckpt" / f"ui-run-{stamp}"
+    assert (ckpt / "global_step_1" / "actor" / "model.safetensors").is_file()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+    with api(stack.served_url) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
+        )
+        ids = [run.id, *(c.id for c in children)]
+        keys = {
+            a.key for a in client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
+        }
+    assert {"omniflow-epoch-metrics", "omniflow-checkpoint", "omniflow-progress"} <= keys
+
+
+# ----------------------------------------------------------------------------- bad parameters
+def test_schema_violation_is_rejected_by_the_api_naming_the_field(stack):
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    with api(stack.served_url) as client:
+        dep = deployment(client, FLOW, "tiny-sd3-on-demand")
+        before = len(client.read_flow_runs())
+        with pytest.raises(PrefectHTTPStatusError) as err:
+            client.create_flow_run_from_deployment(dep.id, parameters={"config": {"data": {"train_batch_size": 0}}})
+        after = len(client.read_flow_runs())
+    message = str(err.value)
+    assert "config.data.train_batch_size" in message and "minimum" in message, message
+    assert after == before  # no run was created
+
+
+def test_cross_field_violation_fails_the_run_before_any_ray_worker(stack):
+    run = wait_final(stack.served_url, stack.runs["cross_field"].id, RUN_TIMEOUT_S, stack.root / "serve.log")
+    assert run.state.type.value == "FAILED"
+    assert "data.train_batch_size=3: must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size=2" in run.state.message
+    with api(stack.served_url) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    # Only the first stage ran: no init_transfer_queue, so no Ray cluster, TransferQueue or actor.
+    assert [(t.name.rsplit("-", 1)[0], t.state.name) for t in tasks] == [("validate_config", "Failed")]
+
+
+# ----------------------------------------------------------------------------- prefect.yaml path
+def test_prefect_deploy_all_registers_schedules_and_parameter_schema(stack):
+    assert "tiny-sd3-nightly" in stack.deploy_output.stdout
+    with api(stack.pooled_url) as client:
+        deps = {d.name: d for d in client.read_deployments()}
+    assert DEPLOYMENTS <= deps.keys()
+    nightly, on_demand = deps["tiny-sd3-nightly"], deps["tiny-sd3-on-demand"]
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"] and on_demand.schedules == []
+    assert {d.work_pool_name for d in deps.values()} == {"omniflow-process"}
+    schema = on_demand.parameter_openapi_schema
+    assert set(schema["properties"]) == {"config", "overrides", "config_files", "new_experiment_per_run"}
+    # The UI form: the config's fields with their defaults, descriptions (the YAML comments) and limits.
+    batch = schema["definitions"]["DataConfig"]["properties"]["train_batch_size"]
+    assert batch["default"] == 2 and batch["exclusiveMinimum"] == 0 and "prompts" in batch["description"].lower()
+    assert "new experiment" in schema["properties"]["new_experiment_per_run"].get("description", "")
+
+
+def test_process_worker_runs_a_triggered_run(stack):
+    run = wait_final(stack.pooled_url, stack.runs["pooled"].id, RUN_TIMEOUT_S, stack.root / "worker.log")
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.work_pool_name == "omniflow-process"
+    assert (stack.root / "pooled-ckpt" / "global_step_1" / "actor" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- the UI, in a browser
+@pytest.fixture(scope="module")
+def browser():
+    from browser import chrome, ensure_chromium
+
+    found = ensure_chromium()
+    if isinstance(found, str):
+        pytest.skip(found)
+    driver = chrome(*found)
+    yield driver
+    driver.quit()
+
+
+def _wait_for_text(driver, texts: list[str], timeout_s: float = 60) -> str:
+    import time
+
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    body = ""
+    while time.monotonic() < deadline:
+        body = driver.find_element(By.TAG_NAME, "body").text
+        if all(t in body for t in texts):
+            return body
+        time.sleep(0.5)
+    raise AssertionError(f"page never showed {[t for t in texts if t not in body]}; it shows:\n{body[:2000]}")
+
+
+def _open_tab(driver, name: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    tab = next(e for e in driver.find_elements(By.CSS_SELECTOR, "li.p-tab") if e.text.strip() == name)
+    tab.click()
+
+
+def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser):
+    from browser import screenshot_dir
+
+    run = wait_final(stack.served_url, stack.runs["served"].id, RUN_TIMEOUT_S, stack.root / "serve.log")
+    with api(stack.served_url) as client:
+        (fit,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
+        )
+    ui = stack.served_url.removesuffix("/api")
+    shots = screenshot_dir()
+
+    # The run's page: name, state, deployment, and the stages' task runs in its logs.
+    browser.get(f"{ui}/runs/flow-run/{run.id}")
+    body = _wait_for_text(
+        browser,
+        [run.name, "Completed", "tiny-sd3-on-demand", "validate_config-", "init_transfer_queue-", "close_transfer_queue-"],
+    )
+    assert "Can't connect to Server API" not in body
+    browser.save_screenshot(str(shots / "flow_run_page.png"))
+
+    # The fit subflow's artifacts tab: the per-epoch artifacts with their titles.
+    browser.get(f"{ui}/runs/flow-run/{fit.id}")
+    _wait_for_text(browser, [fit.name, "Parent Run", run.name])
+    _open_tab(browser, "Artifacts")
+    _wait_for_text(
+        browser, ["omniflow-progress", "omniflow-epoch-metrics", "Metrics of epoch 0, one row per step", "omniflow-checkpoint"]
+    )
+    browser.save_screenshot(str(shots / "fit_artifacts_tab.png"))
+    for name in ("flow_run_page.png", "fit_artifacts_tab.png"):
+        assert (shots / name).stat().st_size > 10_000
+
+
+# ----------------------------------------------------------------------------- stopping serve
+def test_stopping_serve_leaves_the_deployments_active(stack):
+    code = stop_process(stack.serve)
+    assert code is not None
+    with api(stack.served_url) as client:
+        deps = {d.name: d for d in client.read_deployments()}
+    assert not any(d.paused for d in deps.values())
+    assert all(s.active for s in deps["tiny-sd3-nightly"].schedules)
