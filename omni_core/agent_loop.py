@@ -48,7 +48,9 @@ class AgentLoopManager:
         self.results: list[RolloutResult] = []
 
     @classmethod
-    def create(cls, config: dict[str, Any], names: WorkerNames, num_workers: int, num_threads: int, max_restarts: int = 3) -> AgentLoopManager:
+    def create(
+        cls, config: dict[str, Any], names: WorkerNames, num_workers: int, num_threads: int, max_restarts: int = 3
+    ) -> AgentLoopManager:
         """Start the rollout workers (from the flow process, so they outlive any one task)."""
         remote = ray.remote(RolloutWorker)
         workers = [

@@ -20,7 +20,16 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Actor attention backends (diffusers' dispatcher names) by family, and the rollout backends each pairs with.
 ACTOR_ATTN_FAMILIES: dict[str, tuple[str, ...]] = {
     "sdpa": ("native", "_native_npu", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math"),
-    "flash": ("flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "_flash_3", "_flash_3_hub", "_flash_3_varlen_hub", "_flash_varlen_3"),
+    "flash": (
+        "flash",
+        "flash_hub",
+        "flash_varlen",
+        "flash_varlen_hub",
+        "_flash_3",
+        "_flash_3_hub",
+        "_flash_3_varlen_hub",
+        "_flash_varlen_3",
+    ),
 }
 ROLLOUT_ATTN_FAMILIES: dict[str, tuple[str, ...]] = {
     "sdpa": ("TORCH_SDPA",),
@@ -42,7 +51,9 @@ def attention_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     rollout_fam = _family(rollout, ROLLOUT_ATTN_FAMILIES)
     if actor_fam is None:
         known = ", ".join(n for names in ACTOR_ATTN_FAMILIES.values() for n in names)
-        problems.append(ConfigProblem("actor_rollout_ref.model.attn_backend", f"unknown attention backend; known: {known}", actor))
+        problems.append(
+            ConfigProblem("actor_rollout_ref.model.attn_backend", f"unknown attention backend; known: {known}", actor)
+        )
     if rollout_fam is None:
         known = ", ".join(n for names in ROLLOUT_ATTN_FAMILIES.values() for n in names)
         problems.append(
@@ -89,7 +100,11 @@ def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
     mode = trainer.v1.trainer_mode
 
     if not trainer.use_v1:
-        p.append(ConfigProblem("trainer.use_v1", "OmniFlow implements only the v1 (TransferQueue) trainer; set trainer.use_v1=true", False))
+        p.append(
+            ConfigProblem(
+                "trainer.use_v1", "OmniFlow implements only the v1 (TransferQueue) trainer; set trainer.use_v1=true", False
+            )
+        )
     modes = registered_modes()
     if mode not in modes:
         p.append(ConfigProblem("trainer.v1.trainer_mode", f"unknown trainer mode; available: {', '.join(modes)}", mode))
@@ -196,7 +211,13 @@ def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
 
     # Algorithm names (registries) and the one algorithm OmniFlow implements.
     if model.algorithm not in LOSS_MODES:
-        p.append(ConfigProblem("actor_rollout_ref.model.algorithm", f"unknown or unsupported algorithm; available: {', '.join(LOSS_MODES)}", model.algorithm))
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.algorithm",
+                f"unknown or unsupported algorithm; available: {', '.join(LOSS_MODES)}",
+                model.algorithm,
+            )
+        )
     if actor.diffusion_loss.loss_mode not in LOSS_MODES:
         p.append(
             ConfigProblem(
@@ -291,7 +312,9 @@ def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
         if not path:
             p.append(ConfigProblem("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path", path))
         elif not Path(path).expanduser().is_dir():
-            p.append(ConfigProblem("trainer.resume_from_path", "does not exist; point it at a global_step_N checkpoint folder", path))
+            p.append(
+                ConfigProblem("trainer.resume_from_path", "does not exist; point it at a global_step_N checkpoint folder", path)
+            )
 
     # The model folder (cheap to check now, expensive to find missing after Ray started).
     model_dir = Path(model.path).expanduser()

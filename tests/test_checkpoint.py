@@ -65,7 +65,13 @@ def test_commit_layout_latest_and_round_trip(tmp_path):
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "10"
     assert sorted(p.name for p in root.iterdir()) == ["global_step_10", "latest_checkpointed_iteration.txt"]
     assert {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} == {
-        "actor/model.safetensors", "actor/optimizer.pt", "dataloader.json", "controller.json", "config.yaml", "manifest.json"}
+        "actor/model.safetensors",
+        "actor/optimizer.pt",
+        "dataloader.json",
+        "controller.json",
+        "config.yaml",
+        "manifest.json",
+    }
     assert read_state(path, "controller") == {"global_step": 10}
     assert set(read_tensors(path / "actor", "model")) == {"weight", "bias"}
     opt_state = read_torch_state(path / "actor", "optimizer")
@@ -149,7 +155,10 @@ def test_retention_keeps_protected_and_latest(tmp_path):
     deleted = apply_retention(tmp_path, max_keep=2, protect={2})
     assert sorted(p.name for p in deleted) == ["global_step_1", "global_step_3"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step_")) == [
-        "global_step_2", "global_step_4", "global_step_5"]
+        "global_step_2",
+        "global_step_4",
+        "global_step_5",
+    ]
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")  # e.g. a resumed run at step 2
     assert apply_retention(tmp_path, max_keep=1, protect=set()) == [tmp_path / "global_step_4"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step_")) == ["global_step_2", "global_step_5"]
@@ -208,8 +217,9 @@ _HOLDER = textwrap.dedent("""
 
 
 def test_runlock_refuses_live_holder_and_takes_over_after_it_dies(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path), str(REPO)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path), str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(RunLockError, match=rf"in use by run 'first-run' \(pid {holder.pid} .*trainer.experiment_name"):
@@ -227,8 +237,9 @@ def test_runlock_refuses_live_holder_and_takes_over_after_it_dies(tmp_path):
 def test_runlock_takes_over_lock_of_finished_pid(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     dead_pid = int(done.stdout)
-    (tmp_path / ".omniflow.lock").write_text(json.dumps({"pid": dead_pid, "host": os.uname().nodename,
-                                                          "run_id": "crashed", "started": "2024-01-01T00:00:00+00:00"}))
+    (tmp_path / ".omniflow.lock").write_text(
+        json.dumps({"pid": dead_pid, "host": os.uname().nodename, "run_id": "crashed", "started": "2024-01-01T00:00:00+00:00"})
+    )
     lock = RunLock(tmp_path, run_id="fresh").acquire()
     assert lock.previous_holder["pid"] == dead_pid
     with pytest.raises(RunLockError, match="in use by run 'fresh'"):  # a second run in this process is refused too

@@ -15,7 +15,9 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "omniflow.flows.cli", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "omniflow.flows.cli", *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=120
+    )
 
 
 def test_config_show_prints_the_merged_config(tmp_path):

@@ -144,7 +144,9 @@ def test_derived_checkpoint_dir_is_one_property():
 
 def test_verl_reward_functions_mapping_is_accepted():
     cfg = load_config(
-        overrides=["reward.reward_functions={jpeg: {name: jpeg_compressibility, weight: 0.5}, mine: {path: r.py, name: score, weight: 2}}"]
+        overrides=[
+            "reward.reward_functions={jpeg: {name: jpeg_compressibility, weight: 0.5}, mine: {path: r.py, name: score, weight: 2}}"
+        ]
     )
     specs = cfg.reward.reward_functions
     assert specs[0].name == "jpeg_compressibility" and specs[0].weight == 0.5

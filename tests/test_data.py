@@ -13,20 +13,33 @@ from omni_core.data_files import DataFileError
 
 
 def _verl_row(text, i, **extra):
-    return {"data_source": "ocr", "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
-            "ability": "image_generation", "reward_model": {"style": "rule", "ground_truth": f"gt{i}"},
-            "extra_info": {"split": "train", "index": i}, **extra}
+    return {
+        "data_source": "ocr",
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+        "ability": "image_generation",
+        "reward_model": {"style": "rule", "ground_truth": f"gt{i}"},
+        "extra_info": {"split": "train", "index": i},
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------------------------ loading
 def test_parquet_chat_messages(tmp_path):
     path = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([_verl_row("a cat", 0, negative_prompt="blurry"), _verl_row("a dog", 1, negative_prompt=None)]), path)
+    pq.write_table(
+        pa.Table.from_pylist([_verl_row("a cat", 0, negative_prompt="blurry"), _verl_row("a dog", 1, negative_prompt=None)]), path
+    )
     recs = load_prompts(str(path))
     assert [r.prompt for r in recs] == ["a cat", "a dog"]  # the user message, not the system one
     assert recs[0].negative_prompt == "blurry" and recs[1].negative_prompt is None
-    assert recs[1] == PromptRecord(prompt="a dog", negative_prompt=None, data_source="ocr", ground_truth="gt1",
-                                   extra_info={"split": "train", "index": 1}, index=1)
+    assert recs[1] == PromptRecord(
+        prompt="a dog",
+        negative_prompt=None,
+        data_source="ocr",
+        ground_truth="gt1",
+        extra_info={"split": "train", "index": 1},
+        index=1,
+    )
 
 
 def test_parquet_plain_string_column_and_custom_key(tmp_path):
@@ -34,7 +47,9 @@ def test_parquet_plain_string_column_and_custom_key(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"caption": "red ball"}, {"caption": "blue box"}]), path)
     recs = load_prompts(path, prompt_key="caption", default_data_source="aesthetic")
     assert [(r.prompt, r.data_source, r.ground_truth, r.extra_info) for r in recs] == [
-        ("red ball", "aesthetic", None, {}), ("blue box", "aesthetic", None, {})]
+        ("red ball", "aesthetic", None, {}),
+        ("blue box", "aesthetic", None, {}),
+    ]
 
 
 def test_jsonl_json_and_txt(tmp_path):
@@ -63,9 +78,13 @@ def test_make_dataset_round_trip(tmp_path):
     out = make_dataset(src, tmp_path / "out" / "train.parquet", split="train")
     assert out.is_file() and not list(out.parent.glob(".*tmp*"))
     row = pq.read_table(out).to_pylist()[1]
-    assert row == {"data_source": "jpeg_compressibility", "prompt": [{"role": "user", "content": "a blue square"}],
-                   "ability": "image_generation", "reward_model": {"style": "rule", "ground_truth": ""},
-                   "extra_info": {"split": "train", "index": 1}}
+    assert row == {
+        "data_source": "jpeg_compressibility",
+        "prompt": [{"role": "user", "content": "a blue square"}],
+        "ability": "image_generation",
+        "reward_model": {"style": "rule", "ground_truth": ""},
+        "extra_info": {"split": "train", "index": 1},
+    }
     recs = load_prompts(str(out))
     assert [r.prompt for r in recs] == [r.prompt for r in load_prompts(str(src))] == ["a red circle", "a blue square"]
     assert recs[0].extra_info == {"split": "train", "index": 0}
@@ -85,11 +104,15 @@ def test_bad_files_name_file_and_row(tmp_path):
 
     nocol = tmp_path / "nocol.parquet"
     pq.write_table(pa.Table.from_pylist([{"text": "x"}]), nocol)
-    with pytest.raises(PromptFileError, match=r"nocol\.parquet: row 0: no 'prompt' column \(columns: text\); set data.prompt_key"):
+    with pytest.raises(
+        PromptFileError, match=r"nocol\.parquet: row 0: no 'prompt' column \(columns: text\); set data.prompt_key"
+    ):
         load_prompts(str(nocol))
 
     nouser = tmp_path / "nouser.jsonl"
-    nouser.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": [{"role": "assistant", "content": "x"}]}) + "\n")
+    nouser.write_text(
+        json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": [{"role": "assistant", "content": "x"}]}) + "\n"
+    )
     with pytest.raises(PromptFileError, match=r"nouser\.jsonl: line 2: 'prompt' is a chat without a user message"):
         load_prompts(str(nouser))
 

@@ -48,7 +48,9 @@ async def _child_flow_runs(flow_run_id) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     async with get_client() as client:
-        return await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+        return await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+        )
 
 
 async def _latest_task_state(name: str) -> str:
@@ -89,7 +91,15 @@ def test_two_epochs_write_two_checkpoints_and_their_artifacts(reference):
     records = read_jsonl(Path(result.log_dir) / "metrics.jsonl")
     step_records = [r for r in records if "critic/rewards/mean" in r]
     assert [r["step"] for r in step_records] == [1, 2]
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "timing_s/gen", "timing_s/update_actor", "perf/throughput", "critic/rewards/zero_std_ratio"):
+    for key in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/lr",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "perf/throughput",
+        "critic/rewards/zero_std_ratio",
+    ):
         assert key in step_records[0], key
     # The on-policy ratio of the first update is exactly 1 (old log-probs recomputed in the same layout).
     assert step_records[0]["actor/ratio_mean"] == 1.0
@@ -128,7 +138,9 @@ def test_subflow_run_hits_the_cache_and_recovers_a_killed_actor(flows, reference
 
     @flow(name="parent-pipeline")
     def parent() -> object:
-        return flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=fault"])
+        return flows.main_diffusion_v1(
+            overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=fault"]
+        )
 
     watcher = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
     watcher.start()
@@ -151,7 +163,9 @@ def test_asking_for_a_gpu_fails_fast_with_the_key(flows, flow_overrides, tmp_pat
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     start = time.monotonic()
-    state = flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={tmp_path}", "trainer.device=cuda"], return_state=True)
+    state = flows.main_diffusion_v1(
+        overrides=[*flow_overrides, f"trainer.default_local_dir={tmp_path}", "trainer.device=cuda"], return_state=True
+    )
     assert state.is_failed()
     assert "trainer.device" in state.message
     assert time.monotonic() - start < 60

@@ -24,7 +24,9 @@ SMALL = [
 
 def _rollout(actor: TrainingActor, step: int):
     rollout = actor.config.actor_rollout_ref.rollout
-    return generate(actor.policy, ["a red circle", "a blue square"], global_step=step, prompt_indices=[0, 1], **sampling_kwargs(rollout))
+    return generate(
+        actor.policy, ["a red circle", "a blue square"], global_step=step, prompt_indices=[0, 1], **sampling_kwargs(rollout)
+    )
 
 
 def test_lora_kl_is_zero_at_init_and_positive_after_an_update(tiny_sd3_dir, one_torch_thread):
@@ -62,7 +64,10 @@ def test_save_and_reset_restore_the_exact_weights(tiny_sd3_dir, one_torch_thread
 
 def test_make_tiny_model_cli_writes_a_pipeline_diffusers_loads(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "omniflow.flows.cli", "make-tiny-model", str(tmp_path / "tiny-sd3")], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "omniflow.flows.cli", "make-tiny-model", str(tmp_path / "tiny-sd3")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     from diffusers import StableDiffusion3Pipeline

@@ -29,27 +29,87 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["data.train_batch_size=2.5"], "data.train_batch_size", "integer"),
     (["data.shuffle=maybe"], "data.shuffle", "boolean"),
     (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr", "greater than 0"),
-    (["actor_rollout_ref.actor.diffusion_loss.clip_ratio=-0.1"], "actor_rollout_ref.actor.diffusion_loss.clip_ratio", "greater than 0"),
-    (["actor_rollout_ref.actor.diffusion_loss.adv_clip_max=0"], "actor_rollout_ref.actor.diffusion_loss.adv_clip_max", "greater than 0"),
+    (
+        ["actor_rollout_ref.actor.diffusion_loss.clip_ratio=-0.1"],
+        "actor_rollout_ref.actor.diffusion_loss.clip_ratio",
+        "greater than 0",
+    ),
+    (
+        ["actor_rollout_ref.actor.diffusion_loss.adv_clip_max=0"],
+        "actor_rollout_ref.actor.diffusion_loss.adv_clip_max",
+        "greater than 0",
+    ),
     (["actor_rollout_ref.rollout.algo.sde_type=ode"], "actor_rollout_ref.rollout.algo.sde_type", "'sde' or 'cps'"),
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode", "auto"),
     (["data=3"], "data", "is a section"),
     # cross-field rules (validate_config)
-    (["data.train_batch_size=7", "actor_rollout_ref.actor.ppo_mini_batch_size=2"], "data.train_batch_size", "divisible by actor_rollout_ref.actor.ppo_mini_batch_size=2; try 8"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "must divide"),
+    (
+        ["data.train_batch_size=7", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+        "data.train_batch_size",
+        "divisible by actor_rollout_ref.actor.ppo_mini_batch_size=2; try 8",
+    ),
+    (
+        ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "must divide",
+    ),
     (["data.gen_batch_size=3", "data.train_batch_size=4"], "data.gen_batch_size", "divide"),
-    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"], "data.train_batch_size", "parameter_sync_step"),
-    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_mini_batch_size", "must equal data.train_batch_size"),
-    (["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.rollout.nnodes", "standalone rollout"),
-    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.sampler.drop_incomplete_groups=true"], "trainer.v1.sampler.drop_incomplete_groups", "only with trainer.v1.trainer_mode=sync"),
-    (["actor_rollout_ref.rollout.algo.sde_window_size=10"], "actor_rollout_ref.rollout.algo.sde_window_size", "num_inference_steps - 1 = 9"),
-    (["actor_rollout_ref.rollout.algo.sde_window_range=[3,12]"], "actor_rollout_ref.rollout.algo.sde_window_range", "0 <= start < end"),
+    (
+        [
+            "trainer.v1.trainer_mode=separate_async",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "data.train_batch_size=6",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+        ],
+        "data.train_batch_size",
+        "parameter_sync_step",
+    ),
+    (
+        [
+            "trainer.v1.trainer_mode=separate_async",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ],
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "must equal data.train_batch_size",
+    ),
+    (
+        ["trainer.v1.trainer_mode=separate_async", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+        "actor_rollout_ref.rollout.nnodes",
+        "standalone rollout",
+    ),
+    (
+        [
+            "trainer.v1.trainer_mode=separate_async",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.v1.sampler.drop_incomplete_groups=true",
+        ],
+        "trainer.v1.sampler.drop_incomplete_groups",
+        "only with trainer.v1.trainer_mode=sync",
+    ),
+    (
+        ["actor_rollout_ref.rollout.algo.sde_window_size=10"],
+        "actor_rollout_ref.rollout.algo.sde_window_size",
+        "num_inference_steps - 1 = 9",
+    ),
+    (
+        ["actor_rollout_ref.rollout.algo.sde_window_range=[3,12]"],
+        "actor_rollout_ref.rollout.algo.sde_window_range",
+        "0 <= start < end",
+    ),
     (["actor_rollout_ref.rollout.algo.sde_window_range=[0,1]"], "actor_rollout_ref.rollout.algo.sde_window_range", "narrower"),
     (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "flow_grpo"),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
     (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank", ">= 0"),
-    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"], "actor_rollout_ref.model.lora_alpha", "> 0"),
+    (
+        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"],
+        "actor_rollout_ref.model.lora_alpha",
+        "> 0",
+    ),
     (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "at least 2"),
     (["trainer.n_gpus_per_node=4"], "trainer.n_gpus_per_node", "this machine has 2"),
     (["trainer.nnodes=2"], "trainer.nnodes", "ray_kwargs.ray_init.address"),
@@ -64,13 +124,34 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["data.train_files=/no/such/prompts.parquet"], "data.train_files", "not found"),
     (["actor_rollout_ref.model.lora_adapter_path=/x"], "actor_rollout_ref.model.lora_adapter_path", "lora_rank > 0"),
     (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path", "omniflow make-tiny-model"),
-    (["actor_rollout_ref.rollout.pipeline.true_cfg_scale=4.0"], "actor_rollout_ref.rollout.pipeline.true_cfg_scale", "not implemented"),
-    (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "trainer.v1.trainer_mode", "not implemented yet"),
+    (
+        ["actor_rollout_ref.rollout.pipeline.true_cfg_scale=4.0"],
+        "actor_rollout_ref.rollout.pipeline.true_cfg_scale",
+        "not implemented",
+    ),
+    (
+        [
+            "trainer.v1.trainer_mode=separate_async",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ],
+        "trainer.v1.trainer_mode",
+        "not implemented yet",
+    ),
     # attention pairing
-    (["actor_rollout_ref.model.attn_backend=_flash_3"], "actor_rollout_ref.model.attn_backend", "rollout_attn_backend=FLASH_ATTN_3"),
+    (
+        ["actor_rollout_ref.model.attn_backend=_flash_3"],
+        "actor_rollout_ref.model.attn_backend",
+        "rollout_attn_backend=FLASH_ATTN_3",
+    ),
     (["actor_rollout_ref.rollout.rollout_attn_backend=FLASH_ATTN"], "actor_rollout_ref.model.attn_backend", "does not pair"),
     (["actor_rollout_ref.model.attn_backend=xformers_magic"], "actor_rollout_ref.model.attn_backend", "known: native"),
-    (["actor_rollout_ref.rollout.rollout_attn_backend=SDPA"], "actor_rollout_ref.rollout.rollout_attn_backend", "known: TORCH_SDPA"),
+    (
+        ["actor_rollout_ref.rollout.rollout_attn_backend=SDPA"],
+        "actor_rollout_ref.rollout.rollout_attn_backend",
+        "known: TORCH_SDPA",
+    ),
 ]
 
 
@@ -116,7 +197,12 @@ def test_the_error_shows_the_value_given(model):
 def test_attention_pairs_that_are_valid():
     for actor, rollout in [("native", "TORCH_SDPA"), ("_flash_3", "FLASH_ATTN_3"), ("flash", "FLASH_ATTN")]:
         validate_attention_consistency(
-            load_config(overrides=[f"actor_rollout_ref.model.attn_backend={actor}", f"actor_rollout_ref.rollout.rollout_attn_backend={rollout}"])
+            load_config(
+                overrides=[
+                    f"actor_rollout_ref.model.attn_backend={actor}",
+                    f"actor_rollout_ref.rollout.rollout_attn_backend={rollout}",
+                ]
+            )
         )
 
 

@@ -92,8 +92,10 @@ def read_torch_state(ckpt: str | Path, name: str, map_location: str | torch.devi
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path}: holds objects other than tensors and plain containers; refusing to "
-                              f"unpickle it (only state dicts belong in a checkpoint)") from exc
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors and plain containers; refusing to "
+            f"unpickle it (only state dicts belong in a checkpoint)"
+        ) from exc
 
 
 def write_config(tmp: str | Path, yaml_text: str) -> Path:

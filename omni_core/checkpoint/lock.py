@@ -85,10 +85,19 @@ class RunLock:
         previous = _parse(os.pread(fd, 1 << 16, 0))
         if previous and previous.get("pid") is not None:
             self.previous_holder = previous
-            log.warning("taking over the stale lock %s of run %r (pid %s on %s, no longer running)",
-                        self.path, previous.get("run_id"), previous.get("pid"), previous.get("host"))
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": self.run_id,
-                "started": datetime.now(UTC).isoformat(timespec="seconds")}
+            log.warning(
+                "taking over the stale lock %s of run %r (pid %s on %s, no longer running)",
+                self.path,
+                previous.get("run_id"),
+                previous.get("pid"),
+                previous.get("host"),
+            )
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "run_id": self.run_id,
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         os.fsync(fd)
@@ -123,11 +132,16 @@ class RunLock:
             raise RunLockError(self._refusal(holder))
 
     def _refusal(self, holder: dict[str, Any] | None) -> str:
-        who = (f"run {holder.get('run_id')!r} (pid {holder.get('pid')} on {holder.get('host')}, started "
-               f"{holder.get('started')})" if holder else "another live process")
-        return (f"checkpoint folder {self.root} is in use by {who}. Wait for that run to finish or stop it, or "
-                f"give this run its own folder (trainer.experiment_name=... or trainer.default_local_dir=...). "
-                f"If that run is certainly dead, delete {self.path}.")
+        who = (
+            f"run {holder.get('run_id')!r} (pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})"
+            if holder
+            else "another live process"
+        )
+        return (
+            f"checkpoint folder {self.root} is in use by {who}. Wait for that run to finish or stop it, or "
+            f"give this run its own folder (trainer.experiment_name=... or trainer.default_local_dir=...). "
+            f"If that run is certainly dead, delete {self.path}."
+        )
 
 
 def read_lock(path: str | Path) -> dict[str, Any] | None:

@@ -35,8 +35,12 @@ def find_latest(root: str | Path) -> Path | None:
         path = step_dir(root, latest)
         if is_complete(path):
             return path
-        log.warning("%s names step %s, which is not a complete checkpoint; scanning %s instead",
-                    root / "latest_checkpointed_iteration.txt", latest, root)
+        log.warning(
+            "%s names step %s, which is not a complete checkpoint; scanning %s instead",
+            root / "latest_checkpointed_iteration.txt",
+            latest,
+            root,
+        )
     steps = complete_steps(root)
     return steps[max(steps)] if steps else None
 
@@ -55,10 +59,15 @@ def resolve_resume(root: str | Path, resume_mode: str, resume_from_path: str | P
     if not path.exists():
         raise CheckpointError(f"trainer.resume_from_path={resume_from_path} does not exist")
     if not is_complete(path):
-        hint = (f"; to resume the newest checkpoint in it, use trainer.resume_mode=auto trainer.default_local_dir={path}"
-                if complete_steps(path) else "")
-        raise CheckpointError(f"trainer.resume_from_path={resume_from_path} is not a checkpoint "
-                              f"(expected a complete global_step_N folder with manifest.json){hint}")
+        hint = (
+            f"; to resume the newest checkpoint in it, use trainer.resume_mode=auto trainer.default_local_dir={path}"
+            if complete_steps(path)
+            else ""
+        )
+        raise CheckpointError(
+            f"trainer.resume_from_path={resume_from_path} is not a checkpoint "
+            f"(expected a complete global_step_N folder with manifest.json){hint}"
+        )
     return path
 
 
@@ -108,4 +117,3 @@ def apply_retention(root: str | Path, max_keep: int | None, protect: set[int] | 
         shutil.rmtree(doomed)
         deleted.append(path)
     return deleted
-

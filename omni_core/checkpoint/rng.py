@@ -25,8 +25,13 @@ def capture_rng_state() -> dict[str, Any]:
     except ImportError:
         return state
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)}
+    state["numpy"] = {
+        "kind": kind,
+        "keys": keys.tolist(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     return state
 
 
@@ -45,5 +50,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         np_state = state["numpy"]
-        np.random.set_state((np_state["kind"], np.array(np_state["keys"], dtype=np.uint32), np_state["pos"],
-                             np_state["has_gauss"], np_state["cached_gaussian"]))
+        np.random.set_state(
+            (
+                np_state["kind"],
+                np.array(np_state["keys"], dtype=np.uint32),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
+        )

@@ -80,8 +80,7 @@ def write_latest(root: str | Path, step: int) -> None:
 def write_manifest(ckpt: str | Path, step: int) -> dict[str, Any]:
     """`manifest.json`: every file's relative path, size and sha256, plus step and creation time."""
     ckpt = Path(ckpt)
-    entries = [{"path": rel, "size": (ckpt / rel).stat().st_size, "sha256": _sha256(ckpt / rel)}
-               for rel in _list_files(ckpt)]
+    entries = [{"path": rel, "size": (ckpt / rel).stat().st_size, "sha256": _sha256(ckpt / rel)} for rel in _list_files(ckpt)]
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": int(step),
@@ -205,4 +204,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

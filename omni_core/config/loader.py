@@ -235,9 +235,7 @@ def _without_keys(data: Mapping[str, Any], paths: set[str], prefix: str = "") ->
     return out
 
 
-def load_config(
-    files: str | Path | Sequence[str | Path] | None = None, overrides: Sequence[str] = ()
-) -> OmniFlowConfig:
+def load_config(files: str | Path | Sequence[str | Path] | None = None, overrides: Sequence[str] = ()) -> OmniFlowConfig:
     """YAML file(s) (later ones win) + `key.path=value` overrides -> a validated config.
 
     The defaults in `defaults.yaml` fill every key that neither sets.

@@ -6,7 +6,9 @@ rejected with the reason, instead of being silently ignored.
 
 from __future__ import annotations
 
-_FSDP = "OmniFlow trains with actor.strategy=torch (one Ray actor, plain PyTorch); FSDP / VeOmni knobs do not apply. Remove this key."
+_FSDP = (
+    "OmniFlow trains with actor.strategy=torch (one Ray actor, plain PyTorch); FSDP / VeOmni knobs do not apply. Remove this key."
+)
 _VLLM = "OmniFlow rolls out with rollout.name=diffusers (the pipeline's own modules in Ray actors); vLLM-Omni server knobs do not apply. Remove this key."
 
 # Key paths (or a prefix of them) that verl-omni has and OmniFlow does not.
@@ -50,7 +52,8 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
         "sglang": "SGLang rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",
     },
     "actor_rollout_ref.actor.strategy": {
-        s: f"{s} is not available in OmniFlow; use actor_rollout_ref.actor.strategy=torch." for s in ("fsdp", "fsdp2", "veomni", "megatron")
+        s: f"{s} is not available in OmniFlow; use actor_rollout_ref.actor.strategy=torch."
+        for s in ("fsdp", "fsdp2", "veomni", "megatron")
     },
     "actor_rollout_ref.rollout.algo.sde_type": {
         "dance_sde": "the DanceGRPO SDE is not implemented; use sde_type=sde or cps.",

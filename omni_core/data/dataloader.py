@@ -26,15 +26,18 @@ class PromptDataLoader:
     already at (epoch + 1, 0), so a checkpoint taken at an epoch boundary resumes at the next epoch.
     """
 
-    def __init__(self, records: Sequence[PromptRecord], batch_size: int, *, shuffle: bool, seed: int | None,
-                 drop_last: bool = True):
+    def __init__(
+        self, records: Sequence[PromptRecord], batch_size: int, *, shuffle: bool, seed: int | None, drop_last: bool = True
+    ):
         if batch_size <= 0:
             raise ValueError(f"batch_size={batch_size} must be positive")
         if not records:
             raise ValueError("PromptDataLoader needs at least one prompt")
         if drop_last and len(records) < batch_size:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the {len(records)} prompts loaded, "
-                             f"so an epoch has no full batch; lower the batch size or add prompts")
+            raise ValueError(
+                f"data.train_batch_size={batch_size} is larger than the {len(records)} prompts loaded, "
+                f"so an epoch has no full batch; lower the batch size or add prompts"
+            )
         self.records = list(records)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -95,16 +98,22 @@ class PromptDataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; refuses one saved for other prompts or settings (the batches would differ)."""
-        mismatched = [f"{key}: checkpoint {state.get(key)!r} vs now {value!r}"
-                      for key, value in self.state_dict().items()
-                      if key not in ("epoch", "position") and state.get(key) != value]
+        mismatched = [
+            f"{key}: checkpoint {state.get(key)!r} vs now {value!r}"
+            for key, value in self.state_dict().items()
+            if key not in ("epoch", "position") and state.get(key) != value
+        ]
         if mismatched:
-            raise ValueError("the checkpointed prompt-loader state does not match this loader (" + "; ".join(mismatched)
-                             + "); restore the same data settings, or start a fresh run with trainer.resume_mode=disable")
+            raise ValueError(
+                "the checkpointed prompt-loader state does not match this loader ("
+                + "; ".join(mismatched)
+                + "); restore the same data settings, or start a fresh run with trainer.resume_mode=disable"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.steps_per_epoch:
-            raise ValueError(f"invalid prompt-loader state epoch={epoch} position={position} "
-                             f"(steps_per_epoch={self.steps_per_epoch})")
+            raise ValueError(
+                f"invalid prompt-loader state epoch={epoch} position={position} (steps_per_epoch={self.steps_per_epoch})"
+            )
         self.epoch, self.position = epoch, position
 
     def fingerprint(self) -> str:

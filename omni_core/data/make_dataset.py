@@ -14,8 +14,9 @@ from omni_core.data.prompts import PromptFileError, read_text_prompts
 from omni_core.data_files import resolve_data_path
 
 
-def make_dataset(text_file: str | Path, out_path: str | Path, data_source: str = "jpeg_compressibility",
-                 split: str | None = None) -> Path:
+def make_dataset(
+    text_file: str | Path, out_path: str | Path, data_source: str = "jpeg_compressibility", split: str | None = None
+) -> Path:
     """Write `out_path` (parquet) from a text file of prompts; `split` defaults to the text file's stem."""
     import pyarrow as pa
     import pyarrow.parquet as pq

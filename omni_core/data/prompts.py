@@ -71,8 +71,14 @@ def _read_file(path: Path, prompt_key: str, negative_prompt_key: str, default_so
         return
     rows = _parquet_rows(path) if suffix == ".parquet" else _json_rows(path)
     for where, row in rows:
-        yield _row_to_record(row, path=path, where=where, prompt_key=prompt_key,
-                             negative_prompt_key=negative_prompt_key, default_source=default_source)
+        yield _row_to_record(
+            row,
+            path=path,
+            where=where,
+            prompt_key=prompt_key,
+            negative_prompt_key=negative_prompt_key,
+            default_source=default_source,
+        )
 
 
 def read_text_prompts(path: Path) -> Iterator[str]:
@@ -123,8 +129,9 @@ def _require_object(row: Any, path: Path, where: str) -> dict[str, Any]:
     return row
 
 
-def _row_to_record(row: dict[str, Any], *, path: Path, where: str, prompt_key: str, negative_prompt_key: str,
-                   default_source: str) -> dict[str, Any]:
+def _row_to_record(
+    row: dict[str, Any], *, path: Path, where: str, prompt_key: str, negative_prompt_key: str, default_source: str
+) -> dict[str, Any]:
     if prompt_key not in row:
         raise PromptFileError(
             f"{path}: {where}: no {prompt_key!r} column (columns: {', '.join(sorted(row)) or 'none'}); "
@@ -153,8 +160,9 @@ def _prompt_text(value: Any, *, path: Path, where: str, key: str) -> str | None:
     if isinstance(value, list):
         users = [m for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if not users:
-            raise PromptFileError(f"{path}: {where}: {key!r} is a chat without a user message; "
-                                  f"expected [{{'role': 'user', 'content': '...'}}]")
+            raise PromptFileError(
+                f"{path}: {where}: {key!r} is a chat without a user message; expected [{{'role': 'user', 'content': '...'}}]"
+            )
         # Text-to-image chats carry one user turn; if several, the last is the one a generator answers.
         return _content_text(users[-1].get("content"), path=path, where=where, key=key)
     raise PromptFileError(f"{path}: {where}: {key!r} must be a string or a list of chat messages, got {type(value).__name__}")

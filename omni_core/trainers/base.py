@@ -136,7 +136,9 @@ class PolicyGradientDiffusionTrainerV1:
         self._init_training_actor()
         self._load_checkpoint()
 
-    def restore_context(self, train_records: list[PromptRecord], val_records: list[PromptRecord], resume_from: str | None) -> None:
+    def restore_context(
+        self, train_records: list[PromptRecord], val_records: list[PromptRecord], resume_from: str | None
+    ) -> None:
         """Rebuild the controller in another process (a `fit_epoch` task): data, resume point, actors by name."""
         self._init_dataloader(train_records, val_records)
         self.resume_from = resume_from
@@ -219,7 +221,9 @@ class PolicyGradientDiffusionTrainerV1:
         version = ray.get(self.actor.get_version.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
         if version != target or path is None and version != 0:
             ray.get(self.actor.reset.remote(path), timeout=ACTOR_CALL_TIMEOUT_S)
-            self._log(f"training actor reset to {'step ' + str(target) if path else 'the base model'} (its weights were at step {version})")
+            self._log(
+                f"training actor reset to {'step ' + str(target) if path else 'the base model'} (its weights were at step {version})"
+            )
 
     def _save_checkpoint(self) -> str:
         t = self.config.trainer
@@ -336,7 +340,9 @@ class PolicyGradientDiffusionTrainerV1:
         tqc.put_prompts(partition, [it.uid for it in items], step)
         self.agent_loop.generate_sequences(partition, items, step, validate=validate)
         rollout = self.config.actor_rollout_ref.rollout
-        buffer = ReplayBuffer(partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive)
+        buffer = ReplayBuffer(
+            partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive
+        )
         batch = buffer.sample(len(items), step, rollout.val_kwargs.n if validate else rollout.n)
         for uid, reason in batch.failed_uids.items():
             self._log(f"step {step}: prompt group {uid} failed: {reason}")
@@ -355,7 +361,9 @@ class PolicyGradientDiffusionTrainerV1:
         self.on_validate_begin()
         items = _prompt_items(self.val_records, f"val-{self.global_step:06d}")
         batch = self._rollout(self.run.val_partition, items, self.global_step, validate=True)
-        rows = tqc.get_trajectories(self.run.val_partition, batch.trajectory_keys, select_fields=["rewards", "failed", "data_source"])
+        rows = tqc.get_trajectories(
+            self.run.val_partition, batch.trajectory_keys, select_fields=["rewards", "failed", "data_source"]
+        )
         tqc.clear(self.run.val_partition, batch.trajectory_keys)
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         metrics: dict[str, float] = {}

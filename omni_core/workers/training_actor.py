@@ -205,7 +205,12 @@ class TrainingActor:
         batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(traj.batch_size)}
         self.policy.transformer.train()
         metrics = ppo_update(
-            self.policy.transformer, self.optimizer, self.lr_scheduler, batch, step_fn=step_fn, cfg=self._update_config(global_step)
+            self.policy.transformer,
+            self.optimizer,
+            self.lr_scheduler,
+            batch,
+            step_fn=step_fn,
+            cfg=self._update_config(global_step),
         )
         self.policy.transformer.eval()
         self.version = global_step
