@@ -60,6 +60,7 @@ REWARD = "jpeg_compressibility"
 def bench_config(model_path: Path) -> OmniFlowConfig:
     return load_config(overrides=[f"actor_rollout_ref.model.path={model_path}"])
 
+
 # CPU SDPA dispatches to ops that FlopCounterMode (torch 2.x) has no formula for; without these the
 # attention FLOPs would be silently missing. Same formulas torch uses for the flash/efficient kernels.
 _CPU_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -49,7 +49,10 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
         t1 = time.perf_counter()
         scored = rewards_fn.score(traj.images, [r.data_source for r in batch for _ in range(rollout.n)])
         adv = estimator(
-            scored.scores, traj.prompt_index, norm_adv_by_std=config.algorithm.norm_adv_by_std_in_grpo, global_std=config.algorithm.global_std
+            scored.scores,
+            traj.prompt_index,
+            norm_adv_by_std=config.algorithm.norm_adv_by_std_in_grpo,
+            global_std=config.algorithm.global_std,
         )
         metrics = actor.train_on(traj, adv, step)
         metrics.pop("_train_s")

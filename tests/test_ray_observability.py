@@ -35,7 +35,9 @@ def test_ray_task_and_actor_names_match_prefect_tasks_and_roles(flow_reference, 
     from ray.util.state import list_actors, list_tasks
 
     _, result, _ = flow_reference
-    actors = {a.name: a.class_name for a in list_actors(filters=[("name", "!=", "")], limit=10_000) if result.run_id in (a.name or "")}
+    actors = {
+        a.name: a.class_name for a in list_actors(filters=[("name", "!=", "")], limit=10_000) if result.run_id in (a.name or "")
+    }
     assert actors == {
         f"omniflow-{result.run_id}-training-actor": "TrainingActor",
         f"omniflow-{result.run_id}-rollout-worker-0": "RolloutWorker",
