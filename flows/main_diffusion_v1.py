@@ -31,6 +31,7 @@ from omniflow.tasks.init_trainer import init_trainer
 from omniflow.tasks.init_transfer_queue import init_transfer_queue
 from omniflow.tasks.load_tokenizer import load_tokenizer
 from omniflow.tasks.prepare_dataset import prepare_dataset
+from omniflow.tasks.publish_reports import publish_reward_curve, publish_run_summary
 from omniflow.tasks.validate_config import validate_config
 from prefect import flow, runtime
 from prefect.artifacts import create_progress_artifact
@@ -93,6 +94,7 @@ def fit(
     for epoch in range(start_epoch, total_epochs):
         future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
         results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
+        publish_reward_curve(run, results, total_epochs)
     return results
 
 
@@ -130,7 +132,9 @@ def main_diffusion_v1(
             epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.total_epochs)
         finally:
             close_transfer_queue(owns_ray, run)
-    return summarize(run, epochs, resume_from, start_step)
+    result = summarize(run, epochs, resume_from, start_step)
+    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)
+    return result
 
 
 def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None = None, start_step: int = 0) -> TrainResult:

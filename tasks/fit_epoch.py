@@ -8,6 +8,7 @@ checkpoint, and publishes the epoch's metrics table and checkpoint card as artif
 
 from __future__ import annotations
 
+from omniflow.tasks.publish_reports import publish_validation_grids
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -71,6 +72,7 @@ def fit_epoch(
 
 
 def _publish(result: EpochResult) -> None:
+    publish_validation_grids(result)
     rows = [
         {k.split("/")[-1] if k != "training/global_step" else "step": round(m.get(k, float("nan")), 6) for k in TABLE_COLUMNS}
         for m in result.step_metrics

@@ -32,6 +32,7 @@ from omni_core.algorithms.registry import get_adv_estimator
 from omni_core.config import OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import PromptRecord
+from omni_core.reports.images import save_image_grid
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer
 from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
@@ -77,6 +78,8 @@ class EpochResult:
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     val_metrics: dict[str, float] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
+    # (step, PNG path, metrics) of each validation in the epoch: a grid, rows = prompts, columns = samples.
+    val_grids: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)
 
 
 def cpu_threads(parallel_workers: int) -> int:
@@ -100,6 +103,7 @@ class PolicyGradientDiffusionTrainerV1:
         self.resume_from: str | None = None
         self.tracking: Tracking | None = None
         self._logs: list[str] = []
+        self._val_grids: list[tuple[int, str, dict[str, float]]] = []
         # Called after every step with (global_step, total_steps, metrics); the Prefect layer updates
         # its progress artifact here (omni_core itself knows nothing of Prefect).
         self.step_callback: Callable[[int, int, dict[str, float]], None] | None = None
@@ -252,6 +256,7 @@ class PolicyGradientDiffusionTrainerV1:
     def fit_epoch(self, epoch: int) -> EpochResult:
         """Train epoch `epoch` from the last checkpoint written before now; save at its end."""
         self._logs = []
+        self._val_grids: list[tuple[int, str, dict[str, float]]] = []
         self._restore(self._latest_of_this_run())
         for partition in (self.run.train_partition, self.run.val_partition):
             stale = tqc.clear_partition(partition)
@@ -281,6 +286,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.tracking.close()
             result.global_step = self.global_step
             result.logs = self._logs
+            result.val_grids = self._val_grids
         return result
 
     def step(self) -> dict[str, float]:
@@ -362,7 +368,9 @@ class PolicyGradientDiffusionTrainerV1:
         items = _prompt_items(self.val_records, f"val-{self.global_step:06d}")
         batch = self._rollout(self.run.val_partition, items, self.global_step, validate=True)
         rows = tqc.get_trajectories(
-            self.run.val_partition, batch.trajectory_keys, select_fields=["rewards", "failed", "data_source"]
+            self.run.val_partition,
+            batch.trajectory_keys,
+            select_fields=["rewards", "failed", "data_source", "images", "prompt_index", "sample_index"],
         )
         tqc.clear(self.run.val_partition, batch.trajectory_keys)
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
@@ -371,9 +379,21 @@ class PolicyGradientDiffusionTrainerV1:
             mask = torch.tensor([s == source for s in rows["data_source"]]) & ~rows["failed"].bool()
             if mask.any():
                 metrics[f"val-core/{source}/reward/mean@{n}"] = rows["rewards"][mask].float().mean().item()
+        self._save_val_grid(rows, n, metrics)
         self.on_validate_end()
         self._drain_worker_logs()
         return metrics
+
+    def _save_val_grid(self, rows: dict[str, Any], n: int, metrics: dict[str, float]) -> None:
+        """`<checkpoint_dir>/validation/global_step_<N>.png`, next to the checkpoint of that step."""
+        order = sorted(
+            range(len(rows["prompt_index"])), key=lambda i: (int(rows["prompt_index"][i]), int(rows["sample_index"][i]))
+        )
+        images = torch.stack([torch.as_tensor(rows["images"][i]) for i in order])
+        path = self.config.trainer.checkpoint_dir / "validation" / f"global_step_{self.global_step}.png"
+        save_image_grid(images, path, ncols=n)
+        self._val_grids.append((self.global_step, str(path.resolve()), dict(metrics)))
+        self._log(f"validation images: {path}")
 
     def _push_weights(self) -> None:
         """Send the actor's weights to every rollout worker (an object-store ref, fetched once per worker)."""

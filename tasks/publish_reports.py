@@ -1,0 +1,80 @@
+"""Artifacts a person looks at to judge a run: validation image grids, the reward curve (redrawn per
+epoch) and the run summary on the main run's page. Pictures are embedded as data URIs, so the
+Prefect UI shows them without a file server; the PNG files stay on disk next to the checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from omni_core.reports import png_data_uri, save_reward_curve, trend_line
+from omni_core.trainers.base import EpochResult, RunInfo
+
+REWARD_CURVE = "reward_curve.png"
+
+
+def _metrics_lines(metrics: dict[str, float]) -> str:
+    return "\n".join(f"| {k} | {v:.6f} |" for k, v in sorted(metrics.items()))
+
+
+def publish_validation_grids(result: EpochResult) -> None:
+    """One `omniflow-validation` artifact per validation of the epoch (call inside a task)."""
+    for step, path, metrics in result.val_grids:
+        create_markdown_artifact(
+            key="omniflow-validation",
+            markdown=(
+                f"### Validation samples at step {step}\n\nRows: prompts; columns: samples (noise 0, fixed seeds).\n\n"
+                f"![validation samples, step {step}]({png_data_uri(path)})\n\n| metric | value |\n|---|---|\n"
+                f"{_metrics_lines(metrics)}\n\nPNG: `{path}`\n"
+            ),
+            description=f"Validation images at step {step}",
+        )
+
+
+def _all_steps(epochs: list[EpochResult]) -> list[dict[str, float]]:
+    return [m for e in epochs for m in e.step_metrics]
+
+
+def _val_points(epochs: list[EpochResult]) -> list[tuple[int, float]]:
+    points = []
+    for e in epochs:
+        for step, _, metrics in e.val_grids:
+            rewards = [v for k, v in metrics.items() if k.startswith("val-core/")]
+            if rewards:
+                points.append((step, sum(rewards) / len(rewards)))
+    return points
+
+
+@task(name="publish_reward_curve", cache_policy=NO_CACHE)
+def publish_reward_curve(run: RunInfo, epochs: list[EpochResult], total_epochs: int) -> str:
+    """Redraw `<log_dir>/reward_curve.png` from every epoch so far; artifact `omniflow-reward-curve`."""
+    steps = _all_steps(epochs)
+    path = save_reward_curve(steps, Path(run.log_dir) / REWARD_CURVE, _val_points(epochs), title=run.run_id)
+    line = trend_line([m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m])
+    done = epochs[-1].epoch + 1 if epochs else 0
+    create_markdown_artifact(
+        key="omniflow-reward-curve",
+        markdown=f"### Reward curve after epoch {done}/{total_epochs}: {line}\n\n![reward curve]({png_data_uri(path)})\n\nPNG: `{path}`\n",
+        description=line,
+    )
+    return str(path)
+
+
+@task(name="publish_run_summary", cache_policy=NO_CACHE)
+def publish_run_summary(run: RunInfo, epochs: list[EpochResult], final_checkpoint: str | None, global_step: int) -> None:
+    """The main run's own artifact `omniflow-run-summary`: trend, reward curve, last validation grid."""
+    steps = _all_steps(epochs)
+    line = trend_line([m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m])
+    parts = [f"### {run.run_id}: {line}\n", f"Steps trained: {global_step}; last checkpoint: `{final_checkpoint}`\n"]
+    curve = Path(run.log_dir) / REWARD_CURVE
+    if steps:
+        save_reward_curve(steps, curve, _val_points(epochs), title=run.run_id)
+        parts.append(f"![reward curve]({png_data_uri(curve)})\n")
+    grids = [g for e in epochs for g in e.val_grids]
+    if grids:
+        step, path, _ = grids[-1]
+        parts.append(f"Last validation samples (step {step}):\n\n![validation samples]({png_data_uri(path)})\n")
+    create_markdown_artifact(key="omniflow-run-summary", markdown="\n".join(parts), description=line)
