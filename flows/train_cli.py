@@ -105,7 +105,10 @@ def _report(result, config) -> None:
     print(f"  steps trained:    {result.global_step}")
     print(f"  checkpoints:      {result.checkpoint_dir} (last: {result.final_checkpoint})")
     print(f"  metrics:          {result.log_dir}")
-    print("  artifacts:        omniflow-epoch-metrics, omniflow-checkpoint, omniflow-progress (Prefect UI, Artifacts)")
+    print(
+        "  artifacts:        omniflow-run-summary (reward curve), omniflow-validation (image grids), "
+        "omniflow-reward-curve, omniflow-epoch-metrics, omniflow-checkpoint, omniflow-progress (Prefect UI)"
+    )
     print(f"  mean reward, first steps: {result.reward_first:.6f}")
     print(
         f"  mean reward, last steps:  {result.reward_last:.6f}  ({'higher' if result.reward_last > result.reward_first else 'not higher'})"
