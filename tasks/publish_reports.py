@@ -23,6 +23,7 @@ def _metrics_lines(metrics: dict[str, float]) -> str:
 def publish_validation_grids(result: EpochResult) -> None:
     """One `omniflow-validation` artifact per validation of the epoch (call inside a task)."""
     for step, path, metrics in result.val_grids:
+        reward = _val_reward(metrics)
         create_markdown_artifact(
             key="omniflow-validation",
             markdown=(
@@ -30,7 +31,8 @@ def publish_validation_grids(result: EpochResult) -> None:
                 f"![validation samples, step {step}]({png_data_uri(path)})\n\n| metric | value |\n|---|---|\n"
                 f"{_metrics_lines(metrics)}\n\nPNG: `{path}`\n"
             ),
-            description=f"Validation images at step {step}",
+            # The description is what the run page's artifact card shows: put the reward there too.
+            description=f"Validation at step {step}" + (f": reward {reward:.6f}" if reward is not None else ""),
         )
 
 
@@ -38,14 +40,15 @@ def _all_steps(epochs: list[EpochResult]) -> list[dict[str, float]]:
     return [m for e in epochs for m in e.step_metrics]
 
 
+def _val_reward(metrics: dict[str, float]) -> float | None:
+    """The mean of a validation's `val-core/<data source>/reward/mean@n` values (None if it has none)."""
+    rewards = [v for k, v in metrics.items() if k.startswith("val-core/")]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
 def _val_points(epochs: list[EpochResult]) -> list[tuple[int, float]]:
-    points = []
-    for e in epochs:
-        for step, _, metrics in e.val_grids:
-            rewards = [v for k, v in metrics.items() if k.startswith("val-core/")]
-            if rewards:
-                points.append((step, sum(rewards) / len(rewards)))
-    return points
+    points = [(step, _val_reward(metrics)) for e in epochs for step, _, metrics in e.val_grids]
+    return [(step, r) for step, r in points if r is not None]
 
 
 @task(name="publish_reward_curve", cache_policy=NO_CACHE)
@@ -63,9 +66,13 @@ def publish_reward_curve(run: RunInfo, epochs: list[EpochResult], total_epochs: 
     return str(path)
 
 
-@task(name="publish_run_summary", cache_policy=NO_CACHE)
 def publish_run_summary(run: RunInfo, epochs: list[EpochResult], final_checkpoint: str | None, global_step: int) -> None:
-    """The main run's own artifact `omniflow-run-summary`: trend, reward curve, last validation grid."""
+    """The main run's own artifact `omniflow-run-summary`: trend, reward curve, last validation grid.
+
+    Called in the flow itself, not as a task: a task whose input is a subflow's return value gets a
+    `flow_run` task input, which the Prefect 3.9.1 UI cannot parse ("Invalid TaskInputResponse"), and
+    the run's Task Runs tab and log task names then stay empty.
+    """
     steps = _all_steps(epochs)
     line = trend_line([m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m])
     parts = [f"### {run.run_id}: {line}\n", f"Steps trained: {global_step}; last checkpoint: `{final_checkpoint}`\n"]

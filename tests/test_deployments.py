@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 
 RUN_TIMEOUT_S = 420
 FLOW = "main_diffusion_v1"
-DEPLOYMENTS = {"tiny-sd3-nightly", "tiny-sd3-on-demand"}
+DEPLOYMENTS = {"tiny-sd3-nightly", "tiny-sd3-on-demand", "tiny-sd3-pipeline"}
 
 
 @dataclass
@@ -172,7 +172,14 @@ def test_on_demand_run_with_ui_parameters_completes_with_artifacts(stack):
         keys = {
             a.key for a in client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
         }
-    assert {"omniflow-epoch-metrics", "omniflow-checkpoint", "omniflow-progress"} <= keys
+    assert {
+        "omniflow-epoch-metrics",
+        "omniflow-checkpoint",
+        "omniflow-progress",
+        "omniflow-validation",
+        "omniflow-reward-curve",
+        "omniflow-run-summary",
+    } <= keys
 
 
 # ----------------------------------------------------------------------------- bad parameters
@@ -215,6 +222,9 @@ def test_prefect_deploy_all_registers_schedules_and_parameter_schema(stack):
     batch = schema["definitions"]["DataConfig"]["properties"]["train_batch_size"]
     assert batch["default"] == 2 and batch["exclusiveMinimum"] == 0 and "prompts" in batch["description"].lower()
     assert "new experiment" in schema["properties"]["new_experiment_per_run"].get("description", "")
+    # The pipeline is deployable too, with its own typed form.
+    pipeline = deps["tiny-sd3-pipeline"].parameter_openapi_schema["properties"]
+    assert pipeline["eval_samples_per_prompt"]["minimum"] == 1 and pipeline["base_model"]["default"] == "models/tiny-sd3"
 
 
 def test_process_worker_runs_a_triggered_run(stack):
@@ -270,25 +280,73 @@ def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser):
     ui = stack.served_url.removesuffix("/api")
     shots = screenshot_dir()
 
-    # The run's page: name, state, deployment, and the stages' task runs in its logs.
+    # The run's page: name, state, deployment; its Task Runs tab lists the stages.
     browser.get(f"{ui}/runs/flow-run/{run.id}")
-    body = _wait_for_text(
-        browser,
-        [run.name, "Completed", "tiny-sd3-on-demand", "validate_config-", "init_transfer_queue-", "close_transfer_queue-"],
-    )
+    body = _wait_for_text(browser, [run.name, "Completed", "tiny-sd3-on-demand", "Task Runs"])
     assert "Can't connect to Server API" not in body
+    _open_tab(browser, "Task Runs")
+    stages = [
+        "validate_config",
+        "init_transfer_queue",
+        "build_trainer",
+        "init_trainer",
+        "init_agent_loop",
+        "close_transfer_queue",
+    ]
+    _wait_for_text(browser, [f"{name}-" for name in stages])
     browser.save_screenshot(str(shots / "flow_run_page.png"))
+
+    # The run's own artifacts tab: the summary, whose verdict says whether the reward went up.
+    _open_tab(browser, "Artifacts")
+    _wait_for_text(browser, ["omniflow-run-summary", "mean reward"])
 
     # The fit subflow's artifacts tab: the per-epoch artifacts with their titles.
     browser.get(f"{ui}/runs/flow-run/{fit.id}")
     _wait_for_text(browser, [fit.name, "Parent Run", run.name])
     _open_tab(browser, "Artifacts")
     _wait_for_text(
-        browser, ["omniflow-progress", "omniflow-epoch-metrics", "Metrics of epoch 0, one row per step", "omniflow-checkpoint"]
+        browser,
+        [
+            "omniflow-progress",
+            "omniflow-epoch-metrics",
+            "Metrics of epoch 0, one row per step",
+            "omniflow-checkpoint",
+            "omniflow-reward-curve",
+        ],
     )
     browser.save_screenshot(str(shots / "fit_artifacts_tab.png"))
-    for name in ("flow_run_page.png", "fit_artifacts_tab.png"):
+
+    # The summary artifact's page shows its pictures (data-URI PNGs rendered by the UI's markdown).
+    with api(stack.served_url) as client:
+        (summary,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]), key={"any_": ["omniflow-run-summary"]}
+            )
+        )
+    browser.get(f"{ui}/artifacts/artifact/{summary.id}")
+    _wait_for_text(browser, ["mean reward", "Steps trained: 1"])
+    images = _wait_for_images(browser)
+    assert sorted(images) == [36, 640], images  # the 1-prompt validation grid (32 px + padding), the reward curve
+    browser.save_screenshot(str(shots / "run_summary_artifact.png"))
+    for name in ("flow_run_page.png", "fit_artifacts_tab.png", "run_summary_artifact.png"):
         assert (shots / name).stat().st_size > 10_000
+
+
+def _wait_for_images(driver, timeout_s: float = 30) -> list[int]:
+    """naturalWidth of each loaded data-URI <img> on the page (0 would mean the browser could not decode it)."""
+    import time
+
+    script = (
+        "return [...document.images].filter(i => i.src.startsWith('data:image/png')).map(i => i.complete ? i.naturalWidth : 0)"
+    )
+    deadline = time.monotonic() + timeout_s
+    widths: list[int] = []
+    while time.monotonic() < deadline:
+        widths = driver.execute_script(script)
+        if widths and all(widths):
+            return widths
+        time.sleep(0.5)
+    return widths
 
 
 # ----------------------------------------------------------------------------- stopping serve

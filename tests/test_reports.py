@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import pytest
 import torch
@@ -84,8 +85,12 @@ def test_a_run_shows_validation_grids_reward_curve_and_summary(flow_reference):
     by_key: dict[str, list] = {}
     for a in arts:
         by_key.setdefault(a.key, []).append(a)
-    assert len(by_key["omniflow-validation"]) == 1 and "data:image/png;base64," in by_key["omniflow-validation"][0].data
-    assert len(by_key["omniflow-reward-curve"]) == 2  # redrawn after each of the 2 epochs
+    (val,) = by_key["omniflow-validation"]
+    assert "data:image/png;base64," in val.data and str(grid.resolve()) in val.data
+    assert "val-core/" in val.data and re.fullmatch(r"Validation at step 0: reward -?\d+\.\d{6}", val.description)
+    curves = by_key["omniflow-reward-curve"]
+    assert len(curves) == 2  # redrawn after each of the 2 epochs
+    assert all("data:image/png;base64," in c.data and c.description.startswith("mean reward ") for c in curves)
     (summary,) = by_key["omniflow-run-summary"]
     assert summary.flow_run_id == state.state_details.flow_run_id  # on the main run's own page
     first, last = result.reward_first, result.reward_last  # the flow's own first / last 3-step means

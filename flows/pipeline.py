@@ -1,0 +1,157 @@
+"""`diffusion_rl_pipeline`: an ML pipeline around the main job, with `main_diffusion_v1` as a subflow.
+
+The stages:
+
+  1. prepare_base_model   build the tiny model if asked and missing, or check the local model folder
+  2. main_diffusion_v1    Flow-GRPO fine-tuning of that model (the main job, as a subflow)
+  3. evaluate             a subflow: the validation prompts sampled with the initial and the final weights
+                          at the same seeds; mean reward before / after and both image grids
+  4. export_model         the trained transformer or LoRA adapter in diffusers format
+
+Deployable as `omniflow.flows.pipeline:diffusion_rl_pipeline`; the result is a typed `PipelineResult`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from omniflow.flows.main_diffusion_v1 import TrainResult, main_diffusion_v1
+from omniflow.tasks.evaluate_policy import evaluate_policy
+from omniflow.tasks.export_model import export_model
+from omniflow.tasks.prepare_base_model import prepare_base_model
+from omniflow.tasks.validate_config import resolve_config
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, Field
+
+from omni_core.config import OmniFlowConfig
+from omni_core.evaluation import evaluation_records
+from omni_core.reports import png_data_uri
+
+EVAL_DIR = "evaluation"
+EXPORT_DIR = "export"
+
+
+class EvaluationResult(BaseModel):
+    """Mean reward of the validation prompts before and after training, and the two image grids."""
+
+    reward_before: float = Field(description="Mean reward with the initial weights.")
+    reward_after: float = Field(description="Mean reward with the trained weights.")
+    grid_before: str = Field(description="PNG grid of the initial weights' samples (rows: prompts).")
+    grid_after: str = Field(description="PNG grid of the trained weights' samples (rows: prompts).")
+
+
+class PipelineResult(BaseModel):
+    """What `diffusion_rl_pipeline` returns."""
+
+    base_model: str = Field(description="The diffusers folder that was fine-tuned.")
+    train: TrainResult = Field(description="The fine-tuning run's result.")
+    reward_before: float = Field(description="Mean evaluation reward with the initial weights.")
+    reward_after: float = Field(description="Mean evaluation reward with the trained weights.")
+    grid_before: str = Field(description="PNG grid of the initial weights' evaluation samples.")
+    grid_after: str = Field(description="PNG grid of the trained weights' evaluation samples.")
+    export_dir: str = Field(description="Folder of the exported model (diffusers format).")
+    export_kind: str = Field(description='"full" (a whole pipeline folder) or "lora" (an adapter file).')
+
+
+def model_override(base_model: str) -> str:
+    return f"actor_rollout_ref.model.path={base_model}"
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate(
+    config: OmniFlowConfig | None,
+    overrides: list[str],
+    config_files: list[str],
+    checkpoint: str,
+    out_dir: str,
+    seed: int = 1234,
+    samples_per_prompt: int = 2,
+) -> EvaluationResult:
+    """Sample the validation prompts with the initial and the trained weights at the same seeds.
+
+    Args:
+        config: The training config (as given to `main_diffusion_v1`).
+        overrides: `key.path=value` overrides on top of it, including the model path.
+        config_files: YAML config files read when `config` is empty.
+        checkpoint: The trained checkpoint folder (`global_step_N`).
+        out_dir: Folder for `before.png` and `after.png`.
+        seed: Base seed of every sample's noise, shared by both evaluations.
+        samples_per_prompt: Samples per validation prompt (grid columns).
+    """
+    cfg = resolve_config(config, overrides, config_files)
+    records = evaluation_records(cfg.data)
+    out = Path(out_dir)
+    before, grid_before = evaluate_policy(cfg, records, None, seed, samples_per_prompt, str(out / "before.png"), "before")
+    after, grid_after = evaluate_policy(cfg, records, checkpoint, seed, samples_per_prompt, str(out / "after.png"), "after")
+    create_markdown_artifact(
+        key="omniflow-evaluation",
+        markdown=(
+            f"### Evaluation: mean reward {before:.6f} -> {after:.6f} ({after - before:+.6f})\n\n"
+            f"{len(records)} prompts x {samples_per_prompt} samples, seed {seed}; checkpoint `{checkpoint}`.\n\n"
+            f"| weights | mean reward |\n|---|---|\n| initial | {before:.6f} |\n| trained | {after:.6f} |\n\n"
+            f"Before:\n\n![before]({png_data_uri(grid_before)})\n\nAfter:\n\n![after]({png_data_uri(grid_after)})\n\n"
+            f"PNGs: `{grid_before}`, `{grid_after}`\n"
+        ),
+        description="Mean reward and samples before / after fine-tuning",
+    )
+    return EvaluationResult(reward_before=before, reward_after=after, grid_before=grid_before, grid_after=grid_after)
+
+
+@flow(name="diffusion-rl-pipeline", log_prints=True)
+def diffusion_rl_pipeline(
+    base_model: str = "models/tiny-sd3",
+    build_tiny_if_missing: bool = True,
+    arch: Literal["sd3", "flux"] = "sd3",
+    config: OmniFlowConfig | None = None,
+    overrides: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)
+    config_files: list[str] = [],  # noqa: B006
+    new_experiment_per_run: bool = False,
+    eval_samples_per_prompt: Annotated[int, Field(ge=1, le=64)] = 2,
+    eval_seed: Annotated[int, Field(ge=0)] = 1234,
+    export_dir: str | None = None,
+) -> PipelineResult:
+    """Prepare a base model, fine-tune it with Flow-GRPO, evaluate it before / after, export it.
+
+    Args:
+        base_model: Diffusers pipeline folder to fine-tune (it overrides `actor_rollout_ref.model.path`).
+        build_tiny_if_missing: Build the tiny random-weight test model in `base_model` if that folder
+            holds no pipeline; otherwise a missing model fails the run before any training.
+        arch: Architecture of the base model (`sd3`: StableDiffusion3Pipeline, `flux`: FluxPipeline); the
+            tiny model is built with it, and an existing folder must hold it.
+        config: The training config (verl-omni key paths), as for `main_diffusion_v1`.
+        overrides: verl-style `key.path=value` strings applied on top of the config.
+        config_files: YAML config files read in order when `config` is empty.
+        new_experiment_per_run: Train a new experiment named after this run instead of resuming.
+        eval_samples_per_prompt: Samples per validation prompt in the before / after evaluation.
+        eval_seed: Base seed of the evaluation noise (the same for the initial and trained weights).
+        export_dir: Where to export the trained model; default `<checkpoint_dir>/export`.
+    """
+    base = prepare_base_model(base_model, build_tiny_if_missing, arch)
+    train_overrides = [*overrides, model_override(base)]
+    train = main_diffusion_v1(
+        config=config, overrides=train_overrides, config_files=config_files, new_experiment_per_run=new_experiment_per_run
+    )
+    if train.final_checkpoint is None:
+        raise ValueError(f"training wrote no checkpoint under {train.checkpoint_dir}; set trainer.total_epochs >= 1")
+    evaluation = evaluate(
+        config,
+        train_overrides,
+        config_files,
+        train.final_checkpoint,
+        str(Path(train.checkpoint_dir) / EVAL_DIR),
+        eval_seed,
+        eval_samples_per_prompt,
+    )
+    exported = export_model(base, train.final_checkpoint, export_dir or str(Path(train.checkpoint_dir) / EXPORT_DIR))
+    return PipelineResult(
+        base_model=base,
+        train=train,
+        reward_before=evaluation.reward_before,
+        reward_after=evaluation.reward_after,
+        grid_before=evaluation.grid_before,
+        grid_after=evaluation.grid_after,
+        export_dir=exported.out_dir,
+        export_kind=exported.kind,
+    )

@@ -1,0 +1,109 @@
+"""Before / after evaluation of a policy: sample fixed prompts at fixed seeds and score them.
+
+The same base seed gives the same initial noise (and, with the validation noise level, the same
+trajectory) for the initial and the trained weights, so the reward difference measures the weights
+alone. Sampling goes through the rollout's ``generate`` with the validation settings
+(``sampling_kwargs(rollout, validate=True)``) and scoring through the training ``RewardManager``, so the
+numbers are the ones training optimised. No Prefect here: ``tasks/evaluate_policy.py`` wires it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omni_core.checkpoint.files import read_tensors
+from omni_core.checkpoint.layout import ACTOR_DIR
+from omni_core.config import OmniFlowConfig
+from omni_core.config.schema import DataConfig
+from omni_core.data.prompts import PromptRecord, load_prompts
+from omni_core.models.policy import FlowPolicy
+from omni_core.rewards.manager import RewardManager
+from omni_core.rollout.sampler import generate, sampling_kwargs
+
+MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors
+
+
+@dataclass
+class EvalReport:
+    """Outcome of one evaluation of ``P`` prompts x ``n`` samples (``B = P * n``, grouped prompt by prompt).
+
+    Attributes:
+        mean_reward: mean over the samples that scored (NaN if none did).
+        rewards: ``[B]`` float32, NaN where a reward failed.
+        images: ``[B, 3, H, W]`` uint8.
+        prompts: the ``P`` prompt strings, in row order.
+    """
+
+    mean_reward: float
+    rewards: torch.Tensor
+    images: torch.Tensor
+    prompts: list[str]
+
+
+def evaluation_records(data: DataConfig) -> list[PromptRecord]:
+    """The validation prompts, read as `prepare_dataset` reads them (the training prompts if there are none)."""
+    files = data.val_files or data.train_files
+    files = [files] if isinstance(files, str) else list(files)
+    max_samples = data.val_max_samples if data.val_files else -1
+    return load_prompts(files, prompt_key=data.prompt_key, negative_prompt_key=data.negative_prompt_key, max_samples=max_samples)
+
+
+def _as_records(prompts: Sequence[str | PromptRecord]) -> list[PromptRecord]:
+    # A bare string scores with the default data source, as a text prompt file would.
+    return [p if isinstance(p, PromptRecord) else PromptRecord(prompt=p, index=i) for i, p in enumerate(prompts)]
+
+
+def load_policy(config: OmniFlowConfig, checkpoint: str | Path | None) -> FlowPolicy:
+    """The policy of ``actor_rollout_ref.model``, with ``<checkpoint>/actor/model.safetensors`` loaded if given."""
+    policy = FlowPolicy.from_model_config(config.actor_rollout_ref.model)
+    if checkpoint is not None:
+        # The file TrainingActor.save writes and TrainingActor.reset reads (full state, or the LoRA adapter).
+        policy.load_trainable_state(read_tensors(Path(checkpoint) / ACTOR_DIR, MODEL_NAME))
+    policy.transformer.eval()
+    return policy
+
+
+def evaluate_policy(
+    config: OmniFlowConfig,
+    prompts: Sequence[str | PromptRecord],
+    checkpoint: str | Path | None,
+    seed: int,
+    samples_per_prompt: int,
+) -> EvalReport:
+    """Sample ``samples_per_prompt`` images per prompt at base seed ``seed`` and score them.
+
+    ``checkpoint=None`` evaluates the initial weights of ``actor_rollout_ref.model``; otherwise the
+    trained weights of that checkpoint folder. Prompts given as ``PromptRecord`` carry their data source,
+    ground truth and dataset index (which, with ``seed``, fixes each sample's noise).
+    """
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt} must be >= 1")
+    records = _as_records(prompts)
+    if not records:
+        raise ValueError("evaluate_policy: no prompts; set data.val_files (or data.train_files)")
+    rollout = config.actor_rollout_ref.rollout
+    policy = load_policy(config, checkpoint)
+    kwargs = sampling_kwargs(rollout, validate=True) | {"n": samples_per_prompt, "seed": seed}
+    use_negatives = rollout.pipeline.guidance_scale > 1.0
+    traj = generate(
+        policy,
+        [r.prompt for r in records],
+        [r.negative_prompt or "" for r in records] if use_negatives else None,
+        global_step=0,
+        prompt_indices=[r.index for r in records],
+        **kwargs,
+    )
+    per_sample = [r for r in records for _ in range(samples_per_prompt)]
+    scored = RewardManager(config.reward).score(
+        traj.images,
+        [r.data_source for r in per_sample],
+        [r.ground_truth for r in per_sample],
+        [r.extra_info for r in per_sample],
+    )
+    ok = scored.scores[~scored.failed]
+    mean = float(ok.mean()) if ok.numel() else float("nan")
+    return EvalReport(mean_reward=mean, rewards=scored.scores, images=traj.images, prompts=[r.prompt for r in records])
