@@ -9,10 +9,13 @@ The stages:
   4. export_model         the trained transformer or LoRA adapter in diffusers format
 
 Deployable as `omniflow.flows.pipeline:diffusion_rl_pipeline`; the result is a typed `PipelineResult`.
+CLI: `python -m omniflow.flows.pipeline [--base-model DIR] [CONFIG.yaml ...] [key.path=value ...]`.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -66,8 +69,8 @@ def evaluate(
     config_files: list[str],
     checkpoint: str,
     out_dir: str,
-    seed: int = 1234,
-    samples_per_prompt: int = 2,
+    seed: Annotated[int, Field(ge=0)] = 1234,
+    samples_per_prompt: Annotated[int, Field(ge=1)] = 2,
 ) -> EvaluationResult:
     """Sample the validation prompts with the initial and the trained weights at the same seeds.
 
@@ -155,3 +158,71 @@ def diffusion_rl_pipeline(
         export_dir=exported.out_dir,
         export_kind=exported.kind,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m omniflow.flows.pipeline [--base-model DIR] [...] [CONFIG.yaml ...] [key.path=value ...]`.
+
+    Runs the pipeline against the embedded Prefect API (or `PREFECT_API_URL`), as `omniflow train` runs
+    the main job; Ctrl-C / SIGTERM stop it cleanly.
+    """
+    import argparse
+    import os
+    import signal
+
+    from omniflow.flows.cli import _split_files_and_overrides
+    from omniflow.flows.embedded_api import embedded_prefect_api
+    from omniflow.flows.train_cli import QUIET_ENV, _raise_keyboard_interrupt, _shutdown_ray
+    from prefect.exceptions import TerminationSignal
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    parser = argparse.ArgumentParser(prog="python -m omniflow.flows.pipeline", description=diffusion_rl_pipeline.description)
+    parser.add_argument("--base-model", default="models/tiny-sd3", help="diffusers folder (the tiny model is built if absent)")
+    parser.add_argument("--arch", choices=["sd3", "flux"], default="sd3")
+    parser.add_argument("--no-build", action="store_true", help="fail instead of building the tiny model")
+    parser.add_argument("--new-experiment", action="store_true", help="new_experiment_per_run=true")
+    parser.add_argument("--eval-samples", type=int, default=2, help="samples per validation prompt")
+    parser.add_argument("--eval-seed", type=int, default=1234)
+    parser.add_argument("--export-dir", default=None, help="default <checkpoint_dir>/export")
+    parser.add_argument("args", nargs="*", help="YAML config files, then key.path=value overrides")
+    ns = parser.parse_args(argv)
+    files, overrides = _split_files_and_overrides(ns.args)
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    with embedded_prefect_api() as api:
+        api.wait_ready()
+        print(f"pipeline: Prefect API {api.url}" + (f", watch at {api.ui_url}/runs" if api.ui_url else ""), flush=True)
+        # Prefect read its settings at import (before the server existed): point the run at it explicitly.
+        updates = {PREFECT_API_URL: api.url, PREFECT_HOME: os.environ["PREFECT_HOME"]} if api.proc else {}
+        try:
+            with temporary_settings(updates=updates):
+                state = diffusion_rl_pipeline(
+                    base_model=ns.base_model,
+                    build_tiny_if_missing=not ns.no_build,
+                    arch=ns.arch,
+                    overrides=overrides,
+                    config_files=files,
+                    new_experiment_per_run=ns.new_experiment,
+                    eval_samples_per_prompt=ns.eval_samples,
+                    eval_seed=ns.eval_seed,
+                    export_dir=ns.export_dir,
+                    return_state=True,
+                )
+                result = state.result() if state.is_completed() else None
+        except (KeyboardInterrupt, SystemExit, TerminationSignal):
+            print("pipeline: interrupted; the last checkpoint is intact", file=sys.stderr)
+            return 130
+        finally:
+            _shutdown_ray()
+    if result is None:
+        print(f"pipeline: run {state.name}: {state.message}", file=sys.stderr)
+        return 1
+    print(f"pipeline: mean reward {result.reward_before:.6f} -> {result.reward_after:.6f} (evaluation, before -> after)")
+    print(f"pipeline: grids {result.grid_before} {result.grid_after}")
+    print(f"pipeline: checkpoints {result.train.checkpoint_dir}; {result.export_kind} export {result.export_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

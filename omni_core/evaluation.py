@@ -45,11 +45,13 @@ class EvalReport:
 
 
 def evaluation_records(data: DataConfig) -> list[PromptRecord]:
-    """The validation prompts, read as `prepare_dataset` reads them (the training prompts if there are none)."""
+    """The validation prompts (`data.val_files`, at most `data.val_max_samples`), read as `prepare_dataset` reads
+    them; with `data.val_files: null` (no validation during training) the training prompts, same cap."""
     files = data.val_files or data.train_files
     files = [files] if isinstance(files, str) else list(files)
-    max_samples = data.val_max_samples if data.val_files else -1
-    return load_prompts(files, prompt_key=data.prompt_key, negative_prompt_key=data.negative_prompt_key, max_samples=max_samples)
+    return load_prompts(
+        files, prompt_key=data.prompt_key, negative_prompt_key=data.negative_prompt_key, max_samples=data.val_max_samples
+    )
 
 
 def _as_records(prompts: Sequence[str | PromptRecord]) -> list[PromptRecord]:

@@ -10,6 +10,7 @@ base model. Either way ``export_info.json`` records where it came from. No Prefe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,22 +48,24 @@ def export_checkpoint(base_model_dir: str | Path, checkpoint: str | Path, out_di
     read_model_index(base)  # a clear error if the base is not a diffusers pipeline folder
     if out in (base, ckpt) or base in out.parents or ckpt in out.parents:
         raise ValueError(f"export_dir={out} must not be inside the base model or the checkpoint")
-    if out.exists() and any(out.iterdir()):
-        if not (out / INFO_FILE).is_file():
-            raise FileExistsError(
-                f"export_dir={out} is not empty and holds no earlier export ({INFO_FILE}); choose an empty folder"
-            )
-        shutil.rmtree(out)
+    if out.exists() and any(out.iterdir()) and not (out / INFO_FILE).is_file():
+        raise FileExistsError(f"export_dir={out} is not empty and holds no earlier export ({INFO_FILE}); choose an empty folder")
 
+    # Written next to `out` and renamed into place: an interrupted export never looks like a finished one
+    # (and never blocks the next), and an earlier export is replaced only once the new one is complete.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
     if (hf / LORA_WEIGHT_NAME).is_file():
         kind = "lora"
-        out.mkdir(parents=True)
-        shutil.copy2(hf / LORA_WEIGHT_NAME, out / LORA_WEIGHT_NAME)
+        tmp.mkdir(parents=True)
+        shutil.copy2(hf / LORA_WEIGHT_NAME, tmp / LORA_WEIGHT_NAME)
     else:
         kind = "full"
-        shutil.copytree(base, out, ignore=lambda d, names: [TRANSFORMER_DIR] if Path(d) == base else [])
-        shutil.copytree(hf, out / TRANSFORMER_DIR)
-
+        shutil.copytree(base, tmp, ignore=lambda d, names: [TRANSFORMER_DIR] if Path(d) == base else [])
+        shutil.copytree(hf, tmp / TRANSFORMER_DIR)
     info = ExportInfo(base_model=str(base), checkpoint=str(ckpt), step=parse_step(ckpt), kind=kind, out_dir=str(out))
-    (out / INFO_FILE).write_text(json.dumps(asdict(info), indent=1) + "\n")
+    (tmp / INFO_FILE).write_text(json.dumps(asdict(info), indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
     return info

@@ -71,7 +71,7 @@ def _plain_images(model_dir: str | Path):
         num_inference_steps=4,
         guidance_scale=1.0,
         latents=latents,
-        max_sequence_length=32,  # the config's rollout.pipeline.max_sequence_length (diffusers defaults to 256)
+        max_sequence_length=MAX_LEN,  # diffusers defaults to 256
         output_type="pt",
     ).images
     return (images * 255).round().to(torch.uint8)
@@ -217,8 +217,10 @@ def test_lora_export_loads_with_load_lora_weights(tiny_sd3_dir, tmp_path, one_to
     ckpt = tmp_path / "global_step_3"
     actor.save(str(ckpt))
 
-    info = export_checkpoint(tiny_sd3_dir, ckpt, tmp_path / "export")
+    for _ in range(2):  # a second export replaces the first (written aside, renamed into place)
+        info = export_checkpoint(tiny_sd3_dir, ckpt, tmp_path / "export")
     assert (info.kind, info.step) == ("lora", 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "global_step_3"]
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["export_info.json", "pytorch_lora_weights.safetensors"]
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir, local_files_only=True)
