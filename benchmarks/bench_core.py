@@ -43,7 +43,8 @@ from omni_core.config import OmniFlowConfig, load_config, to_flat_dict  # noqa: 
 from omni_core.models.policy import FlowPolicy  # noqa: E402
 from omni_core.models.tiny import build_tiny_pipeline  # noqa: E402
 from omni_core.rewards.manager import RewardManager  # noqa: E402
-from omni_core.rollout.sampler import generate, sampling_kwargs  # noqa: E402
+from omni_core.rollout.sampler import generate  # noqa: E402
+from omni_core.rollout.sampling_params import SamplingParams  # noqa: E402
 from omni_core.rollout.trajectory import Trajectory  # noqa: E402
 from omni_core.workers.training_actor import TrainingActor  # noqa: E402
 
@@ -150,10 +151,10 @@ class OtherCpuLoad:
 # ------------------------------------------------------------------------------------------ parts
 def bench_rollout(policy: FlowPolicy, config: OmniFlowConfig, repeats: int) -> tuple[Trajectory, dict[str, Any]]:
     out: dict[str, Trajectory] = {}
-    kwargs = sampling_kwargs(config.actor_rollout_ref.rollout)
+    kwargs = SamplingParams.for_training(config.actor_rollout_ref.rollout).generate_kwargs(global_step=0)
 
     def run() -> None:
-        out["traj"] = generate(policy, PROMPTS, global_step=0, prompt_indices=list(range(len(PROMPTS))), **kwargs)
+        out["traj"] = generate(policy, PROMPTS, prompt_indices=list(range(len(PROMPTS))), **kwargs)
 
     stats = time_calls(run, repeats)
     traj = out["traj"]

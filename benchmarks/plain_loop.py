@@ -20,7 +20,8 @@ from omni_core.config import OmniFlowConfig, load_config
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import load_prompts
 from omni_core.rewards.manager import RewardManager
-from omni_core.rollout.sampler import generate, sampling_kwargs
+from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.workers.training_actor import TrainingActor
 
 
@@ -28,6 +29,7 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
     """Train `steps` steps in this process; returns per-step metrics (reward mean, timings)."""
     torch.set_num_threads(os.cpu_count() or 1)
     data, rollout = config.data, config.actor_rollout_ref.rollout
+    params = SamplingParams.for_training(rollout)
     records = load_prompts(data.train_files if isinstance(data.train_files, str) else list(data.train_files))
     loader = PromptDataLoader(records, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     actor = TrainingActor(config.model_dump(mode="json"), steps, os.cpu_count() or 1)
@@ -42,9 +44,8 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
             traj = generate(
                 policy,
                 [r.prompt for r in batch],
-                global_step=step,
                 prompt_indices=list(range(len(batch))),
-                **sampling_kwargs(rollout),
+                **params.generate_kwargs(step),
             )
         t1 = time.perf_counter()
         scored = rewards_fn.score(traj.images, [r.data_source for r in batch for _ in range(rollout.n)])

@@ -14,8 +14,6 @@ does) and keeps it for as long as it serves.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,10 +84,6 @@ def serve_deployments(specs: Sequence[dict[str, Any]], limit: int | None = None)
     serve(*deployments, pause_on_shutdown=False, limit=limit, print_starting_message=True)
 
 
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniflow serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="deployments to serve (default: all in the file)")
@@ -105,16 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"omniflow serve: {exc}", file=sys.stderr)
         return 2
-    from omniflow.flows.train_cli import QUIET_ENV
+    from omniflow.flows.runner import prefect_api, prepare_process
 
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    from omniflow.flows.embedded_api import embedded_prefect_api
-
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    with embedded_prefect_api() as api:
-        api.wait_ready()
-        print(f"omniflow serve: Prefect API {api.url}; deployments: {', '.join(s['name'] for s in specs)}", flush=True)
+    prepare_process()
+    with prefect_api("omniflow serve") as api:
+        print(f"omniflow serve: deployments: {', '.join(s['name'] for s in specs)}", flush=True)
         if api.ui_url:
             print(f"omniflow serve: open {api.ui_url}/deployments to trigger a run with parameters", flush=True)
         try:

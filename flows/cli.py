@@ -1,7 +1,8 @@
 """The `omniflow` command: config tools, validation, and (lazily imported) the heavy entry points.
 
 Every subcommand imports what it needs when it runs, so `omniflow validate` answers in about a
-second and never starts Ray, TransferQueue or a Prefect server.
+second (it imports neither Ray, Prefect, diffusers nor transformers, and torch only on a machine
+with an accelerator driver) and never starts Ray, TransferQueue or a Prefect server.
 """
 
 from __future__ import annotations
@@ -11,18 +12,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-
-def _split_files_and_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """verl-style argv: YAML files (no '=') first, then key.path=value overrides."""
-    files = [a for a in args if "=" not in a]
-    overrides = [a for a in args if "=" in a]
-    return files, overrides
+from omniflow.flows.runner import split_files_and_overrides
 
 
 def _load(args: Sequence[str]):
     from omni_core.config import load_config
 
-    files, overrides = _split_files_and_overrides(args)
+    files, overrides = split_files_and_overrides(args)
     return load_config(files, overrides)
 
 
@@ -41,11 +37,10 @@ def _cmd_config_schema(ns: argparse.Namespace) -> int:
 
 
 def _cmd_validate(ns: argparse.Namespace) -> int:
-    from omni_core.device import auto_set_device
-    from omni_core.validation import validate_config
+    from omni_core.validation import prepare_run_config
 
-    config = auto_set_device(_load(ns.args))
-    validate_config(config)
+    files, overrides = split_files_and_overrides(ns.args)
+    config = prepare_run_config(None, overrides, files)  # exactly what `omniflow train` checks first
     t = config.trainer
     print(
         f"config OK: trainer.v1.trainer_mode={t.v1.trainer_mode} trainer.device={t.device} "

@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 from omni_core.checkpoint import RunLock
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
-from omni_core.trainers.base import EpochResult, RunInfo
+from omni_core.records import EpochResult, RunInfo
 
 # `.result()` of an epoch is bounded too; a hung epoch fails the run instead of holding it forever.
 EPOCH_RESULT_TIMEOUT_S = 6 * 3600
@@ -84,17 +84,18 @@ def fit(
     val: list[PromptRecord],
     resume_from: str | None,
     start_epoch: int,
-    total_epochs: int,
+    end_epoch: int,
 ) -> list[EpochResult]:
-    """verl-omni's `trainer.fit()`: one `fit_epoch` task per epoch, each on a Ray worker, in order."""
+    """verl-omni's `trainer.fit()`: one `fit_epoch` task per epoch (`start_epoch .. end_epoch - 1`), each on
+    a Ray worker, in order."""
     progress = create_progress_artifact(
-        progress=100.0 * start_epoch / total_epochs, key="omniflow-progress", description="Training progress (steps done / total)"
+        progress=100.0 * start_epoch / end_epoch, key="omniflow-progress", description="Training progress (steps done / total)"
     )
     results = []
-    for epoch in range(start_epoch, total_epochs):
+    for epoch in range(start_epoch, end_epoch):
         future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
         results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
-        publish_reward_curve(run, results, total_epochs)
+        publish_reward_curve(run, results, end_epoch)
     return results
 
 
@@ -122,6 +123,7 @@ def main_diffusion_v1(
     run = make_run_info(cfg)
     with RunLock(run.checkpoint_dir, run.run_id):
         owns_ray = init_transfer_queue(cfg)
+        trainer = None
         try:
             trainer = build_trainer(cfg, run)
             tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
@@ -129,9 +131,9 @@ def main_diffusion_v1(
             trainer = init_trainer(trainer, train, val)
             init_agent_loop(trainer)
             resume_from, start_step = trainer.resume_from, trainer.global_step
-            epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.total_epochs)
+            epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.end_epoch)
         finally:
-            close_transfer_queue(owns_ray, run)
+            close_transfer_queue(trainer, owns_ray)
     result = summarize(run, epochs, resume_from, start_step)
     publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)
     return result
@@ -158,10 +160,10 @@ def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml ...] key=value ...`."""
-    from omniflow.flows.cli import main as cli_main
+    """`python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml ...] key=value ...` (as `omniflow train`)."""
+    from omniflow.flows.train_cli import run_training
 
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    return run_training(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,11 @@ from omniflow.flows.main_diffusion_v1 import TrainResult, main_diffusion_v1
 from omniflow.tasks.evaluate_policy import evaluate_policy
 from omniflow.tasks.export_model import export_model
 from omniflow.tasks.prepare_base_model import prepare_base_model
-from omniflow.tasks.validate_config import resolve_config
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
-from omni_core.config import OmniFlowConfig
+from omni_core.config import OmniFlowConfig, resolve_config
 from omni_core.evaluation import evaluation_records
 from omni_core.reports import png_data_uri
 
@@ -163,20 +162,14 @@ def diffusion_rl_pipeline(
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m omniflow.flows.pipeline [--base-model DIR] [...] [CONFIG.yaml ...] [key.path=value ...]`.
 
-    Runs the pipeline against the embedded Prefect API (or `PREFECT_API_URL`), as `omniflow train` runs
-    the main job; Ctrl-C / SIGTERM stop it cleanly.
+    Runs the pipeline against the embedded Prefect API (or `PREFECT_API_URL`) through the same runner as
+    `omniflow train`; Ctrl-C / SIGTERM stop it cleanly.
     """
     import argparse
-    import os
-    import signal
 
-    from omniflow.flows.cli import _split_files_and_overrides
-    from omniflow.flows.embedded_api import embedded_prefect_api
-    from omniflow.flows.train_cli import QUIET_ENV, _raise_keyboard_interrupt, _shutdown_ray
-    from prefect.exceptions import TerminationSignal
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+    from omniflow.flows.runner import run_flow_from_cli, split_files_and_overrides
 
-    parser = argparse.ArgumentParser(prog="python -m omniflow.flows.pipeline", description=diffusion_rl_pipeline.description)
+    parser = argparse.ArgumentParser(prog="python -m omniflow.flows.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-model", default="models/tiny-sd3", help="diffusers folder (the tiny model is built if absent)")
     parser.add_argument("--arch", choices=["sd3", "flux"], default="sd3")
     parser.add_argument("--no-build", action="store_true", help="fail instead of building the tiny model")
@@ -186,42 +179,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--export-dir", default=None, help="default <checkpoint_dir>/export")
     parser.add_argument("args", nargs="*", help="YAML config files, then key.path=value overrides")
     ns = parser.parse_args(argv)
-    files, overrides = _split_files_and_overrides(ns.args)
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    with embedded_prefect_api() as api:
-        api.wait_ready()
-        print(f"pipeline: Prefect API {api.url}" + (f", watch at {api.ui_url}/runs" if api.ui_url else ""), flush=True)
-        # Prefect read its settings at import (before the server existed): point the run at it explicitly.
-        updates = {PREFECT_API_URL: api.url, PREFECT_HOME: os.environ["PREFECT_HOME"]} if api.proc else {}
-        try:
-            with temporary_settings(updates=updates):
-                state = diffusion_rl_pipeline(
-                    base_model=ns.base_model,
-                    build_tiny_if_missing=not ns.no_build,
-                    arch=ns.arch,
-                    overrides=overrides,
-                    config_files=files,
-                    new_experiment_per_run=ns.new_experiment,
-                    eval_samples_per_prompt=ns.eval_samples,
-                    eval_seed=ns.eval_seed,
-                    export_dir=ns.export_dir,
-                    return_state=True,
-                )
-                result = state.result() if state.is_completed() else None
-        except (KeyboardInterrupt, SystemExit, TerminationSignal):
-            print("pipeline: interrupted; the last checkpoint is intact", file=sys.stderr)
-            return 130
-        finally:
-            _shutdown_ray()
-    if result is None:
-        print(f"pipeline: run {state.name}: {state.message}", file=sys.stderr)
-        return 1
+    files, overrides = split_files_and_overrides(ns.args)
+    parameters = {
+        "base_model": ns.base_model,
+        "build_tiny_if_missing": not ns.no_build,
+        "arch": ns.arch,
+        "overrides": overrides,
+        "config_files": files,
+        "new_experiment_per_run": ns.new_experiment,
+        "eval_samples_per_prompt": ns.eval_samples,
+        "eval_seed": ns.eval_seed,
+        "export_dir": ns.export_dir,
+    }
+    return run_flow_from_cli("pipeline", "omniflow.flows.pipeline:diffusion_rl_pipeline", parameters, _report)
+
+
+def _report(result: PipelineResult) -> None:
     print(f"pipeline: mean reward {result.reward_before:.6f} -> {result.reward_after:.6f} (evaluation, before -> after)")
     print(f"pipeline: grids {result.grid_before} {result.grid_after}")
     print(f"pipeline: checkpoints {result.train.checkpoint_dir}; {result.export_kind} export {result.export_dir}")
-    return 0
 
 
 if __name__ == "__main__":

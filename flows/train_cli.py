@@ -1,100 +1,36 @@
-"""`omniflow train`: run `main_diffusion_v1` from the command line, verl style.
+"""`omniflow train` (also `python -m omniflow.flows.main_diffusion_v1`): the main job, verl style.
 
-Order matters: the config is checked first (seconds, nothing started), then the embedded Prefect API
-starts (unless `PREFECT_API_URL` is set), then the flow runs. Ctrl-C or SIGTERM end the run cleanly:
-the flow's `finally` closes the TransferQueue and the actors, the Ray cluster this run started is
-shut down, the Prefect server is stopped, and the last checkpoint stays as it was.
+The config is checked first (about a second, nothing started), then `runner.run_flow_from_cli` starts
+the embedded Prefect API (unless `PREFECT_API_URL` is set) and runs `main_diffusion_v1`; at the end
+this prints where the checkpoints, metrics and artifacts are and how the reward moved.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-QUIET_ENV = {
-    "DO_NOT_TRACK": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "RAY_DEDUP_LOGS": "0",
-    "TQ_LOGGING_LEVEL": "ERROR",
-}
+from omniflow.flows.runner import run_flow_from_cli, split_files_and_overrides
 
-
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+FLOW = "omniflow.flows.main_diffusion_v1:main_diffusion_v1"
 
 
 def run_training(args: Sequence[str]) -> int:
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    from omniflow.flows.cli import _split_files_and_overrides
-    from omniflow.flows.embedded_api import embedded_prefect_api
+    from omni_core.config import ConfigError
+    from omni_core.validation import prepare_run_config
 
-    from omni_core.config import ConfigError, load_config
-    from omni_core.device import auto_set_device
-    from omni_core.validation import validate_config
-
-    files, overrides = _split_files_and_overrides(args)
+    files, overrides = split_files_and_overrides(args)
     try:
-        config = auto_set_device(load_config(files, overrides))
-        validate_config(config)
+        prepare_run_config(None, overrides, files)
     except ConfigError as exc:
         print(f"omniflow: {exc}", file=sys.stderr)
         return 2
-
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    with embedded_prefect_api() as api:
-        from omniflow.flows.main_diffusion_v1 import main_diffusion_v1  # imports while the server boots
-
-        api.wait_ready()
-        ui = api.ui_url
-        print(f"omniflow: Prefect API {api.url} (PREFECT_HOME={os.environ.get('PREFECT_HOME')})", flush=True)
-        if ui:
-            print(f"omniflow: watch the run at {ui}/runs", flush=True)
-
-        from prefect.exceptions import TerminationSignal
-        from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
-        # Prefect reads its settings when first imported (`python -m omniflow.flows.main_diffusion_v1`
-        # imports it before this runs), so the run's API is set on the settings context as well; Ray
-        # workers receive this context with every task.
-        updates = {PREFECT_API_URL: api.url, PREFECT_HOME: os.environ["PREFECT_HOME"]} if api.proc else {}
-        try:
-            with temporary_settings(updates=updates):
-                state = main_diffusion_v1(config=None, overrides=list(overrides), config_files=list(files), return_state=True)
-        except (KeyboardInterrupt, SystemExit, TerminationSignal):
-            # Ctrl-C, or SIGTERM (which Prefect's engine turns into a crash + SystemExit): the flow's
-            # finally has closed the TransferQueue and the actors; Ray and the server stop below.
-            print("omniflow: interrupted; the last checkpoint is intact and the run's processes are stopped", file=sys.stderr)
-            return 130
-        finally:
-            _shutdown_ray()
-        flow_run_id = state.state_details.flow_run_id
-        if ui:
-            print(f"omniflow: flow run {ui}/runs/flow-run/{flow_run_id}", flush=True)
-        if not state.is_completed():
-            print(f"omniflow: run {state.name}: {state.message}", file=sys.stderr)
-            return 1
-        with temporary_settings(updates=updates):
-            result = state.result()
-        _report(result, config)
-    return 0
+    return run_flow_from_cli("omniflow", FLOW, {"config": None, "overrides": overrides, "config_files": files}, _report)
 
 
-def _shutdown_ray() -> None:
-    with contextlib.suppress(Exception):
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-
-
-def _report(result, config) -> None:
+def _report(result: Any) -> None:
     print("omniflow: run finished", flush=True)
     if result.final_metrics == {} and result.global_step > 0:
         print(

@@ -17,6 +17,11 @@ class DataFileError(ValueError):
     """A prompt file that is missing or of an unsupported kind."""
 
 
+def as_file_list(value: str | tuple[str, ...] | list[str] | None) -> list[str]:
+    """`data.train_files` / `data.val_files` (one path, a list, or null) as a list of paths."""
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
 def resolve_data_path(path: str) -> Path:
     """A local `Path` for `path` (plain or `pkg://package/relative/file`); errors name the path and the fix."""
     if path.startswith(PKG_PREFIX):

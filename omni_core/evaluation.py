@@ -3,8 +3,8 @@
 The same base seed gives the same initial noise (and, with the validation noise level, the same
 trajectory) for the initial and the trained weights, so the reward difference measures the weights
 alone. Sampling goes through the rollout's ``generate`` with the validation settings
-(``sampling_kwargs(rollout, validate=True)``) and scoring through the training ``RewardManager``, so the
-numbers are the ones training optimised. No Prefect here: ``tasks/evaluate_policy.py`` wires it.
+(``SamplingParams.for_validation``) and scoring through the training ``RewardManager``, so the numbers
+are the ones training optimised. No Prefect here: ``tasks/evaluate_policy.py`` wires it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from omni_core.checkpoint.layout import ACTOR_DIR
 from omni_core.config import OmniFlowConfig
 from omni_core.config.schema import DataConfig
 from omni_core.data.prompts import PromptRecord, load_prompts
+from omni_core.data_files import as_file_list
 from omni_core.models.policy import FlowPolicy
 from omni_core.rewards.manager import RewardManager
-from omni_core.rollout.sampler import generate, sampling_kwargs
+from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampling_params import SamplingParams
 
 MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors
 
@@ -47,10 +49,11 @@ class EvalReport:
 def evaluation_records(data: DataConfig) -> list[PromptRecord]:
     """The validation prompts (`data.val_files`, at most `data.val_max_samples`), read as `prepare_dataset` reads
     them; with `data.val_files: null` (no validation during training) the training prompts, same cap."""
-    files = data.val_files or data.train_files
-    files = [files] if isinstance(files, str) else list(files)
     return load_prompts(
-        files, prompt_key=data.prompt_key, negative_prompt_key=data.negative_prompt_key, max_samples=data.val_max_samples
+        as_file_list(data.val_files or data.train_files),
+        prompt_key=data.prompt_key,
+        negative_prompt_key=data.negative_prompt_key,
+        max_samples=data.val_max_samples,
     )
 
 
@@ -87,17 +90,14 @@ def evaluate_policy(
     records = _as_records(prompts)
     if not records:
         raise ValueError("evaluate_policy: no prompts; set data.val_files (or data.train_files)")
-    rollout = config.actor_rollout_ref.rollout
+    params = SamplingParams.for_validation(config.actor_rollout_ref.rollout).replace(n=samples_per_prompt, seed=seed)
     policy = load_policy(config, checkpoint)
-    kwargs = sampling_kwargs(rollout, validate=True) | {"n": samples_per_prompt, "seed": seed}
-    use_negatives = rollout.pipeline.guidance_scale > 1.0
     traj = generate(
         policy,
         [r.prompt for r in records],
-        [r.negative_prompt or "" for r in records] if use_negatives else None,
-        global_step=0,
+        params.negative_prompts([r.negative_prompt for r in records]),
         prompt_indices=[r.index for r in records],
-        **kwargs,
+        **params.generate_kwargs(global_step=0),
     )
     per_sample = [r for r in records for _ in range(samples_per_prompt)]
     scored = RewardManager(config.reward).score(

@@ -1,20 +1,24 @@
-"""Connecting to Ray for a run: join `ray_kwargs.ray_init.address`, or start a local cluster with
-enough logical CPUs, and check that the cluster has the devices the config asks for.
+"""A run's Ray side: join `ray_kwargs.ray_init.address` or start a local cluster with enough logical
+CPUs, check the cluster against the run's resource budget, start the TransferQueue (`start_run_cluster`,
+verl-omni's `tq.init`), and stop it all again (`close_run`, verl-omni's `finally: tq.close()`).
 
 Ray leaves a task that asks for absent resources pending forever (DESIGN.md section 7), so the
-device check runs before anything is submitted.
+resource check runs before anything is submitted.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
+from omni_core.resources import run_resource_budget
 
 NAMESPACE = "omniflow"
 
@@ -30,10 +34,11 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
     # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    # Ray 2.60 turns token auth on for local clusters, and a client joining by address needs it too; set
+    # explicitly, it also spares the console Ray's notice that it chose it. Ray's own INFO lines stay off.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     if init.address:
-        # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-        ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True)
+        ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True, logging_level=logging.WARNING)
     else:
         ray.init(
             num_cpus=init.num_cpus,
@@ -41,6 +46,7 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
             namespace=namespace,
             runtime_env=env,
             log_to_driver=True,
+            logging_level=logging.WARNING,
         )
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
@@ -61,33 +67,68 @@ def dashboard_url() -> str | None:
 
 
 def check_cluster_devices(config: OmniFlowConfig, resources: dict[str, Any] | None = None) -> None:
-    """Fail with the key path when the cluster lacks the GPUs / CPUs the run reserves."""
+    """Fail with the key path when the cluster lacks the GPUs / CPUs of the run's resource budget."""
     res = resources if resources is not None else ray.cluster_resources()
     t = config.trainer
+    budget = run_resource_budget(config)
     problems = []
-    if t.device == "cuda":
-        need = t.n_gpus_per_node * t.nnodes
-        have = int(res.get("GPU", 0))
-        if have < need:
-            problems.append(
-                ConfigProblem(
-                    "trainer.n_gpus_per_node",
-                    f"the run asks for {need} GPU(s) (x trainer.nnodes={t.nnodes}) but the Ray cluster has {have}; "
-                    "Ray would leave the work pending forever. Lower it or use trainer.device=cpu",
-                    t.n_gpus_per_node,
-                )
+    have_gpus = int(res.get("GPU", 0))
+    if have_gpus < budget.gpus:
+        problems.append(
+            ConfigProblem(
+                "trainer.n_gpus_per_node",
+                f"the run asks for {budget.gpus} GPU(s) (x trainer.nnodes={t.nnodes}) but the Ray cluster has {have_gpus}; "
+                "Ray would leave the work pending forever. Lower it or use trainer.device=cpu",
+                t.n_gpus_per_node,
             )
-    workers = config.actor_rollout_ref.rollout.agent.num_workers
-    units = config.transfer_queue.backend.SimpleStorage.num_data_storage_units
-    need_cpus = 1 + units + 1 + workers + 1  # TQ controller + units, training actor, rollout workers, fit_epoch task
-    if res.get("CPU", 0) < need_cpus:
+        )
+    if res.get("CPU", 0) < budget.total_cpus:
         problems.append(
             ConfigProblem(
                 "ray_kwargs.ray_init.num_cpus",
-                f"the Ray cluster declares {res.get('CPU', 0):g} logical CPUs but the run reserves {need_cpus}; "
-                f"start it with more (e.g. ray_kwargs.ray_init.num_cpus=16)",
+                f"the Ray cluster declares {res.get('CPU', 0):g} logical CPUs but the run reserves {budget.total_cpus} "
+                f"({budget.describe_cpus()}); start it with more (e.g. ray_kwargs.ray_init.num_cpus=16)",
                 config.ray_kwargs.ray_init.num_cpus,
             )
         )
     if problems:
         raise ConfigError(problems)
+
+
+@dataclass(frozen=True)
+class RunCluster:
+    """What `start_run_cluster` set up: whether this process started the Ray cluster (and so must stop
+    it), and the address of its dashboard (None when none runs)."""
+
+    owns_ray: bool
+    dashboard_url: str | None
+
+
+def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
+    """Connect Ray, check it against the run's resource budget and start the TransferQueue.
+
+    A failure after this call started a local cluster stops that cluster again, so a retry starts clean.
+    """
+    from omni_core.tq.client import init_transfer_queue
+
+    owns_ray = connect_ray(config)
+    try:
+        check_cluster_devices(config)
+        init_transfer_queue(config.transfer_queue)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return RunCluster(owns_ray, dashboard_url())
+
+
+def close_run(trainer: Any, owns_ray: bool) -> None:
+    """The end of every run, also a failed one: the trainer's actors and TQ rows (`trainer.close()`,
+    when a trainer was built), the TransferQueue, and the Ray cluster when this run started it."""
+    from omni_core.tq.client import close_transfer_queue
+
+    if trainer is not None and ray.is_initialized():
+        trainer.close()
+    close_transfer_queue()
+    if owns_ray:
+        ray.shutdown()

@@ -1,7 +1,7 @@
 """Metrics: verl-omni's per-step data metrics and the tracking backends (`trainer.logger`).
 
-Backends: `console` (one line per step plus a progress bar), `file` (JSONL, one record per step) and
-`tensorboard` (torch's SummaryWriter). Names follow verl-omni (`critic/rewards/mean`,
+Backends: `console` (one line per step with a progress bar, to stdout or to a line sink such as the
+Prefect run's log), `file` (JSONL, one record per step) and `tensorboard` (torch's SummaryWriter). Names follow verl-omni (`critic/rewards/mean`,
 `actor/pg_loss`, `timing_s/gen`, `perf/throughput`, ...).
 """
 
@@ -11,7 +11,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +68,20 @@ class _Span:
 class Tracking:
     """Logs step metrics to the backends named in `trainer.logger`."""
 
-    def __init__(self, backends: Sequence[str], log_dir: str | Path, total_steps: int, stream: Any = None):
+    def __init__(
+        self,
+        backends: Sequence[str],
+        log_dir: str | Path,
+        total_steps: int,
+        stream: Any = None,
+        console_sink: Callable[[str], None] | None = None,
+    ):
+        """`console` lines go to `console_sink` when given, else to `stream` (default stdout)."""
         self.backends = list(backends)
         self.log_dir = Path(log_dir)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
+        self.console_sink = console_sink
         self._tb = None
         if "file" in self.backends or "tensorboard" in self.backends:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -88,8 +97,11 @@ class Tracking:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         if "console" in self.backends:
-            self.stream.write(self._console_line(clean, step) + "\n")
-            self.stream.flush()
+            if self.console_sink is not None:
+                self.console_sink(self._console_line(clean, step))
+            else:
+                self.stream.write(self._console_line(clean, step) + "\n")
+                self.stream.flush()
         if "file" in self.backends:
             with self.jsonl_path.open("a") as f:
                 f.write(json.dumps({"step": step, **clean}) + "\n")
@@ -117,8 +129,3 @@ def read_jsonl(path: str | Path) -> list[dict[str, float]]:
     """The records a `file` backend wrote."""
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
-
-
-def mean_of(records: Iterable[Mapping[str, float]], key: str) -> float:
-    values = [r[key] for r in records if key in r]
-    return sum(values) / len(values) if values else float("nan")

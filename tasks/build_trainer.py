@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from omni_core.config import OmniFlowConfig
-from omni_core.trainers import get_diffusion_trainer_cls
-from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1, RunInfo
+from omni_core.records import RunInfo
+from omni_core.trainers import build_diffusion_trainer
+from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
 
 
-@task(name="build_trainer")
+@task(name="build_trainer", cache_policy=NO_CACHE)
 def build_trainer(config: OmniFlowConfig, run: RunInfo) -> PolicyGradientDiffusionTrainerV1:
-    trainer_cls = get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)
-    return trainer_cls(config, run)
+    return build_diffusion_trainer(config, run)

@@ -3,7 +3,8 @@
 A function of (config, epoch, last checkpoint): it rebuilds the controller, finds the run's actors by
 name, restarts from the last checkpoint written before a failure (the actor reloads it if its
 weights moved past it; stale TransferQueue rows are cleared), trains the epoch, saves its
-checkpoint, and publishes the epoch's metrics table and checkpoint card as artifacts.
+checkpoint, and publishes the epoch's metrics table and checkpoint card as artifacts. The trainer's
+log lines (its own and the rollout workers') go to the run's log as they happen.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from prefect.cache_policies import NO_CACHE
 from omni_core.checkpoint import checkpoint_summary
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
-from omni_core.trainers import get_diffusion_trainer_cls
-from omni_core.trainers.base import EpochResult, RunInfo
+from omni_core.records import EpochResult, RunInfo
+from omni_core.trainers import build_diffusion_trainer
 
 TABLE_COLUMNS = (
     "training/global_step",
@@ -52,21 +53,14 @@ def fit_epoch(
     resume_from: str | None,
     progress_artifact_id: str | None = None,
 ) -> EpochResult:
-    log = get_run_logger()
-    trainer = get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)
+    trainer = build_diffusion_trainer(config, run)
     trainer.restore_context(train_records, val_records, resume_from)
+    trainer.log_callback = get_run_logger().log
     if progress_artifact_id:
-
-        def _progress(step: int, total: int, metrics: dict[str, float]) -> None:
-            update_progress_artifact(progress_artifact_id, progress=100.0 * step / total)
-            log.info("step %d/%d reward %.5f", step, total, metrics.get("critic/rewards/mean", float("nan")))
-
-        trainer.step_callback = _progress
-    try:
-        result = trainer.fit_epoch(epoch)
-    finally:
-        for line in trainer._logs:  # worker and controller log lines reach the Prefect run
-            log.info(line)
+        trainer.step_callback = lambda step, total, _: update_progress_artifact(
+            progress_artifact_id, progress=100.0 * step / total
+        )
+    result = trainer.fit_epoch(epoch)
     _publish(result)
     return result
 

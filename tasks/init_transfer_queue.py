@@ -1,7 +1,7 @@
 """Stage 2 — `init_transfer_queue`: verl-omni's `tq.init(config.transfer_queue)` in the Ray driver.
 
 Connects Ray first (`ray_kwargs.ray_init`: join an address, or a local cluster with enough logical
-CPUs) and checks the cluster has what the run reserves, so nothing is left pending forever.
+CPUs) and checks the cluster against the run's resource budget, so nothing is left pending forever.
 """
 
 from __future__ import annotations
@@ -9,18 +9,16 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from omni_core.config import OmniFlowConfig
-from omni_core.ray_cluster import check_cluster_devices, connect_ray, dashboard_url
-from omni_core.tq.client import init_transfer_queue as start_transfer_queue
+from omni_core.ray_cluster import start_run_cluster
 
 
 @task(name="init_transfer_queue", retries=2, retry_delay_seconds=2)
 def init_transfer_queue(config: OmniFlowConfig) -> bool:
     """Returns True when this run started the Ray cluster (and so must shut it down)."""
-    owns_ray = connect_ray(config)
-    url = dashboard_url()
+    cluster = start_run_cluster(config)
     get_run_logger().info(
-        f"Ray dashboard: {url}" if url else "Ray dashboard: not running (ray_kwargs.ray_init.include_dashboard=true starts it)"
+        f"Ray dashboard: {cluster.dashboard_url}"
+        if cluster.dashboard_url
+        else "Ray dashboard: not running (ray_kwargs.ray_init.include_dashboard=true starts it)"
     )
-    check_cluster_devices(config)
-    start_transfer_queue(config.transfer_queue)
-    return owns_ray
+    return cluster.owns_ray

@@ -10,8 +10,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from omni_core.records import EpochResult, RunInfo
 from omni_core.reports import png_data_uri, save_reward_curve, trend_line
-from omni_core.trainers.base import EpochResult, RunInfo
 
 REWARD_CURVE = "reward_curve.png"
 

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -108,20 +109,26 @@ def pipeline_run(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_p
     root = tmp_path_factory.mktemp("pipeline")
     overrides = [o for o in flow_overrides if not o.startswith(MODEL_PATH_KEY)]
     overrides += ["trainer.total_epochs=1", "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'ckpt'}"]
-    state = diffusion_rl_pipeline(
-        base_model=str(root / "tiny"),  # absent: the pipeline builds the tiny model there
-        overrides=overrides,
-        eval_samples_per_prompt=EVAL_SAMPLES,
-        eval_seed=EVAL_SEED,
-        return_state=True,
-    )
+    # The evaluation subflow samples in this process: pin its thread count to the one the tests below
+    # re-evaluate with (one_torch_thread), since CPU kernels may round differently per thread count.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        state = diffusion_rl_pipeline(
+            base_model=str(root / "tiny"),  # absent: the pipeline builds the tiny model there
+            overrides=overrides,
+            eval_samples_per_prompt=EVAL_SAMPLES,
+            eval_seed=EVAL_SEED,
+            return_state=True,
+        )
+    finally:
+        torch.set_num_threads(before)
     assert state.is_completed(), state.message
     return state, state.result(), overrides
 
 
 def _evaluate(overrides: list[str], model_dir: str):
-    from omniflow.tasks.validate_config import resolve_config
-
+    from omni_core.config import resolve_config
     from omni_core.evaluation import evaluate_policy, evaluation_records
 
     cfg = resolve_config(None, [*overrides, MODEL_PATH_KEY + model_dir], [])
@@ -201,8 +208,8 @@ def test_lora_export_loads_with_load_lora_weights(tiny_sd3_dir, tmp_path, one_to
     """A LoRA checkpoint written by the real `TrainingActor.save`, exported, and read by diffusers."""
     import torch
     from diffusers import StableDiffusion3Pipeline
-    from omniflow.tasks.validate_config import resolve_config
 
+    from omni_core.config import resolve_config
     from omni_core.evaluation import load_policy
     from omni_core.export import export_checkpoint
     from omni_core.workers.training_actor import TrainingActor

@@ -8,7 +8,8 @@ import sys
 import torch
 
 from omni_core.config import load_config
-from omni_core.rollout.sampler import generate, sampling_kwargs
+from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.workers.training_actor import TrainingActor
 
 SMALL = [
@@ -23,10 +24,8 @@ SMALL = [
 
 
 def _rollout(actor: TrainingActor, step: int):
-    rollout = actor.config.actor_rollout_ref.rollout
-    return generate(
-        actor.policy, ["a red circle", "a blue square"], global_step=step, prompt_indices=[0, 1], **sampling_kwargs(rollout)
-    )
+    params = SamplingParams.for_training(actor.config.actor_rollout_ref.rollout)
+    return generate(actor.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(step))
 
 
 def test_lora_kl_is_zero_at_init_and_positive_after_an_update(tiny_sd3_dir, one_torch_thread):

@@ -1,39 +1,25 @@
-"""Flow-GRPO algorithm pieces: the math (``flow_grpo``), name registries and the update step."""
+"""Flow-GRPO algorithm pieces: the math (``flow_grpo``), name registries and the update step.
 
-from omni_core.algorithms.flow_grpo import (
-    broadcast_advantages,
-    compute_flow_grpo_advantages,
-    group_index_from_uids,
-    kl_loss,
-    policy_loss,
-)
-from omni_core.algorithms.registry import (
-    ADV_ESTIMATORS,
-    LOSS_MODES,
-    get_adv_estimator,
-    get_policy_loss,
-)
-from omni_core.algorithms.update import (
-    PPOUpdateConfig,
-    StepOutput,
-    build_lr_scheduler,
-    build_optimizer,
-    ppo_update,
-)
+Re-exported lazily: ``omni_core.algorithms.names`` (what validation reads) imports no torch.
+"""
 
-__all__ = [
-    "ADV_ESTIMATORS",
-    "LOSS_MODES",
-    "PPOUpdateConfig",
-    "StepOutput",
-    "broadcast_advantages",
-    "build_lr_scheduler",
-    "build_optimizer",
-    "compute_flow_grpo_advantages",
-    "get_adv_estimator",
-    "get_policy_loss",
-    "group_index_from_uids",
-    "kl_loss",
-    "policy_loss",
-    "ppo_update",
-]
+from omni_core._lazy import lazy_exports
+
+_EXPORTS = {
+    "ADV_ESTIMATORS": "omni_core.algorithms.registry",
+    "LOSS_MODES": "omni_core.algorithms.registry",
+    "PPOUpdateConfig": "omni_core.algorithms.update",
+    "StepOutput": "omni_core.algorithms.update",
+    "broadcast_advantages": "omni_core.algorithms.flow_grpo",
+    "build_lr_scheduler": "omni_core.algorithms.update",
+    "build_optimizer": "omni_core.algorithms.update",
+    "compute_flow_grpo_advantages": "omni_core.algorithms.flow_grpo",
+    "get_adv_estimator": "omni_core.algorithms.registry",
+    "get_policy_loss": "omni_core.algorithms.registry",
+    "group_index_from_uids": "omni_core.algorithms.flow_grpo",
+    "kl_loss": "omni_core.algorithms.flow_grpo",
+    "policy_loss": "omni_core.algorithms.flow_grpo",
+    "ppo_update": "omni_core.algorithms.update",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

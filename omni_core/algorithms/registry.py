@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages, policy_loss
+from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
 
 __all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "get_adv_estimator", "get_policy_loss"]
 
@@ -17,14 +18,9 @@ __all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "get_adv_estimator", "get_policy_loss
 # DanceGRPO's own code normalises with the per-group std (+1e-8); that is this estimator with
 # ``algorithm.global_std=false`` (the eps differs), so the alias is the same function, not a
 # separate algorithm.
-ADV_ESTIMATORS: dict[str, Callable[..., Any]] = {
-    "flow_grpo": compute_flow_grpo_advantages,
-    "dance_grpo": compute_flow_grpo_advantages,
-}
+ADV_ESTIMATORS: dict[str, Callable[..., Any]] = dict.fromkeys(ADV_ESTIMATOR_NAMES, compute_flow_grpo_advantages)
 
-LOSS_MODES: dict[str, Callable[..., Any]] = {
-    "flow_grpo": policy_loss,
-}
+LOSS_MODES: dict[str, Callable[..., Any]] = dict.fromkeys(LOSS_MODE_NAMES, policy_loss)
 
 
 def _lookup(table: dict[str, Callable[..., Any]], name: str, what: str) -> Callable[..., Any]:

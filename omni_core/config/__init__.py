@@ -6,8 +6,10 @@ from omni_core.config.loader import (
     load_config,
     parse_override,
     parse_value,
+    resolve_config,
     to_flat_dict,
     to_yaml,
+    with_experiment_suffix,
     with_updates,
 )
 from omni_core.config.schema import OmniFlowConfig
@@ -20,7 +22,9 @@ __all__ = [
     "load_config",
     "parse_override",
     "parse_value",
+    "resolve_config",
     "to_flat_dict",
     "to_yaml",
+    "with_experiment_suffix",
     "with_updates",
 ]

@@ -268,6 +268,27 @@ def with_updates(config: OmniFlowConfig, updates: Mapping[str, Any]) -> OmniFlow
     return config_from_dict(tree)
 
 
+def resolve_config(
+    config: OmniFlowConfig | None, overrides: Sequence[str] = (), files: Sequence[str | Path] = ()
+) -> OmniFlowConfig:
+    """A config given as an object (a flow parameter), or else the defaults and YAML `files`, with
+    `key.path=value` overrides on top."""
+    if config is None:
+        return load_config(files, overrides)
+    return with_updates(config, dict(map(parse_override, overrides))) if overrides else config
+
+
+def with_experiment_suffix(config: OmniFlowConfig, suffix: str) -> OmniFlowConfig:
+    """`trainer.experiment_name` + `-<suffix>`, and an explicit `default_local_dir` gets a subfolder of that
+    name: a scheduled run trains a new experiment instead of resuming an earlier one."""
+    t = config.trainer
+    name = f"{t.experiment_name}-{suffix}"
+    updates: dict[str, Any] = {"trainer.experiment_name": name}
+    if t.default_local_dir:
+        updates["trainer.default_local_dir"] = str(Path(t.default_local_dir) / name)
+    return with_updates(config, updates)
+
+
 def to_yaml(config: OmniFlowConfig) -> str:
     """The resolved config as YAML (block style, schema order)."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

@@ -9,11 +9,11 @@ Models are frozen: a loaded config is immutable; `with_updates` makes a changed 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.fields import FieldInfo
 
 from omni_core.config.defaults_file import load_defaults
 
@@ -266,20 +266,32 @@ class RewardConfig(ConfigModel):
     @field_validator("reward_functions", mode="before")
     @classmethod
     def _accept_verl_forms(cls, value: Any) -> Any:
-        """Accept a list of names / entries, or verl-omni's {name: {path, name, weight}} mapping."""
-        if isinstance(value, dict):
-            entries = []
-            for key, spec in value.items():
-                spec = dict(spec or {})
-                if "path" in spec:  # verl: {key: {path, name: <function>, weight}}
-                    spec["function"] = spec.pop("name", "compute_score")
-                else:
-                    spec.setdefault("name", key)
-                entries.append(spec)
-            return entries
+        """Accept a list of names / entries, or verl-omni's {label: {path, name, weight}} mapping."""
+        if isinstance(value, Mapping):
+            return reward_entries_from_verl_mapping(value)
         if isinstance(value, (list, tuple)):
             return [{"name": v} if isinstance(v, str) else v for v in value]
         return value
+
+
+def reward_entries_from_verl_mapping(mapping: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """verl-omni's `reward.reward_functions: {label: {path, name: <function>, weight}}` as OmniFlow entries.
+
+    An entry with a `path` is a file: verl's `name` is its function (default `compute_score`) and the
+    label becomes its `name` (the label of its score in the extras). An entry without one names a
+    built-in reward: its own `name`, else the label. The one converter: the schema and
+    `RewardManager` (which also takes raw mappings) both use it.
+    """
+    entries = []
+    for label, spec in mapping.items():
+        entry = dict(spec or {})
+        if entry.get("path"):
+            entry["function"] = entry.pop("name", None) or entry.get("function") or "compute_score"
+            entry["name"] = label
+        else:
+            entry.setdefault("name", label)
+        entries.append(entry)
+    return entries
 
 
 # -------------------------------------------------------------------------------------- trainer
@@ -397,15 +409,3 @@ class OmniFlowConfig(ConfigModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description=_COMMENTS.get("trainer"))
     transfer_queue: TransferQueueConfig = Field(default_factory=TransferQueueConfig, description=_COMMENTS.get("transfer_queue"))
     ray_kwargs: RayKwargsConfig = Field(default_factory=RayKwargsConfig, description=_COMMENTS.get("ray_kwargs"))
-
-
-def field_info(path: str) -> FieldInfo | None:
-    """The pydantic field at a dotted key path, or None if the path does not exist."""
-    cls: Any = OmniFlowConfig
-    info = None
-    for part in path.split("."):
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
-            return None
-        info = cls.model_fields[part]
-        cls = info.annotation
-    return info

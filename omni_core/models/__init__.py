@@ -4,9 +4,10 @@ Submodules are imported on use (``from omni_core.models.policy import FlowPolicy
 package stays cheap; the names below are re-exported lazily.
 """
 
-from __future__ import annotations
+from omni_core._lazy import lazy_exports
+from omni_core.quiet import drop_library_notices
 
-import importlib
+drop_library_notices()  # before any submodule imports diffusers (it imports nothing itself)
 
 _EXPORTS = {
     "FlowPolicy": "omni_core.models.policy",
@@ -14,11 +15,5 @@ _EXPORTS = {
     "load_pipeline": "omni_core.models.loader",
     "build_tiny_pipeline": "omni_core.models.tiny",
 }
-
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'omni_core.models' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,6 +14,10 @@ from pathlib import Path
 import torch
 from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
 
+from omni_core.quiet import quiet_model_libraries
+
+quiet_model_libraries()  # no progress bars while every actor loads its pipeline
+
 # Keyed by the pipeline class name written in model_index.json.
 SUPPORTED_PIPELINES: dict[str, type[DiffusionPipeline]] = {
     "StableDiffusion3Pipeline": StableDiffusion3Pipeline,
@@ -44,6 +48,34 @@ def read_model_index(path: Path) -> dict:
         return json.loads(index_file.read_text())
     except json.JSONDecodeError as err:
         raise ModelLoadError(f"{index_file}: not valid JSON ({err})") from err
+
+
+def check_pipeline_folder(path: str | Path, architecture: str | None = None) -> str:
+    """The supported pipeline class saved in ``path``, after checking the folder the way loading needs it.
+
+    ``architecture`` (``"sd3"``, ``"flux"``, a pipeline class name, or None / ``"auto"`` to read
+    ``model_index.json``) must agree with the saved ``_class_name`` when both are given; every component
+    folder listed in ``model_index.json`` must exist. Raises ``ModelLoadError`` naming the path.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    index = read_model_index(path)
+    saved = index.get("_class_name")
+    if architecture is None or architecture.lower() == "auto":
+        if saved is None:
+            raise ModelLoadError(f"{path / 'model_index.json'} has no _class_name; pass the architecture explicitly")
+        name = resolve_architecture(saved)
+    else:
+        name = resolve_architecture(architecture)
+        if saved is not None and saved != name:
+            raise ModelLoadError(
+                f"{path}: architecture={architecture!r} ({name}) does not match model_index.json _class_name={saved!r}"
+            )
+    _check_components(path, index)
+    return name
 
 
 def _check_components(path: Path, index: dict) -> None:
@@ -78,23 +110,7 @@ def load_pipeline(
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given.
     """
     path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
-    if not path.is_dir():
-        raise ModelLoadError(f"model path {path} is not a directory")
-    index = read_model_index(path)
-    saved = index.get("_class_name")
-    if architecture is None or architecture.lower() == "auto":
-        if saved is None:
-            raise ModelLoadError(f"{path / 'model_index.json'} has no _class_name; pass the architecture explicitly")
-        name = resolve_architecture(saved)
-    else:
-        name = resolve_architecture(architecture)
-        if saved is not None and saved != name:
-            raise ModelLoadError(
-                f"{path}: architecture={architecture!r} ({name}) does not match model_index.json _class_name={saved!r}"
-            )
-    _check_components(path, index)
+    name = check_pipeline_folder(path, architecture)
     try:
         pipe = SUPPORTED_PIPELINES[name].from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     except Exception as err:  # corrupt safetensors, bad configs, ...: one error type naming the path

@@ -54,6 +54,10 @@ from transformers import (
     T5Tokenizer,
 )
 
+from omni_core.quiet import quiet_model_libraries
+
+quiet_model_libraries()  # no progress bars while writing the tiny model
+
 ARCHITECTURES = ("sd3", "flux")
 
 CLIP_HIDDEN = 32

@@ -1,20 +1,22 @@
-"""Rewards: built-in JPEG rewards, the name registry, custom reward files and the batch scorer."""
+"""Rewards: built-in JPEG rewards, the name registry, custom reward files and the batch scorer.
 
-from omni_core.rewards.builtin import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
-from omni_core.rewards.custom import RewardLoadError, load_reward_function
-from omni_core.rewards.manager import RewardManager, RewardResult, RewardTerm
-from omni_core.rewards.registry import REWARD_FUNCTIONS, default_compute_score, get_reward_function
+Re-exported lazily: ``omni_core.rewards.names`` (what validation reads) imports no torch.
+"""
 
-__all__ = [
-    "REWARD_FUNCTIONS",
-    "RewardLoadError",
-    "RewardManager",
-    "RewardResult",
-    "RewardTerm",
-    "default_compute_score",
-    "get_reward_function",
-    "jpeg_compressibility",
-    "jpeg_incompressibility",
-    "jpeg_size_kb",
-    "load_reward_function",
-]
+from omni_core._lazy import lazy_exports
+
+_EXPORTS = {
+    "REWARD_FUNCTIONS": "omni_core.rewards.registry",
+    "RewardLoadError": "omni_core.rewards.custom",
+    "RewardManager": "omni_core.rewards.manager",
+    "RewardResult": "omni_core.rewards.manager",
+    "RewardTerm": "omni_core.rewards.manager",
+    "default_compute_score": "omni_core.rewards.registry",
+    "get_reward_function": "omni_core.rewards.registry",
+    "jpeg_compressibility": "omni_core.rewards.builtin",
+    "jpeg_incompressibility": "omni_core.rewards.builtin",
+    "jpeg_size_kb": "omni_core.rewards.builtin",
+    "load_reward_function": "omni_core.rewards.custom",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from omni_core.config.schema import reward_entries_from_verl_mapping
 from omni_core.rewards.custom import DEFAULT_FUNCTION_NAME, load_reward_function
 from omni_core.rewards.registry import REWARD_FUNCTIONS, get_reward_function
 
@@ -108,20 +109,6 @@ def _term_from_entry(entry: Any, position: int) -> RewardTerm:
     return _builtin_term(name, weight)
 
 
-def _from_verl_mapping(mapping: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """verl-omni's ``{label: {path, name: <function>, weight}}`` form as a list of entries."""
-    entries = []
-    for label, spec in mapping.items():
-        spec = dict(spec or {})
-        if spec.get("path"):
-            spec["function"] = spec.pop("name", None) or spec.get("function") or DEFAULT_FUNCTION_NAME
-            spec["name"] = label
-        else:
-            spec.setdefault("name", label)
-        entries.append(spec)
-    return entries
-
-
 def _as_score(value: Any) -> tuple[float, dict[str, Any]]:
     """A reward's return value as ``(score, extras)``; raises on anything not a finite number."""
     extras: dict[str, Any] = {}
@@ -150,7 +137,7 @@ class RewardManager:
             raise ValueError(f"reward.aggregation={aggregation!r} is not supported; use 'weighted_sum'")
         entries = _get(reward_cfg, "reward_functions") or []
         if isinstance(entries, Mapping):
-            entries = _from_verl_mapping(entries)
+            entries = reward_entries_from_verl_mapping(entries)
         if isinstance(entries, str):
             raise ValueError("reward.reward_functions must be a list of names or {name|path, weight} entries")
         custom = _get(reward_cfg, "custom_reward_function")
@@ -165,14 +152,6 @@ class RewardManager:
             self.terms = [RewardTerm(label=f"{Path(path).stem}.{function}", fn=fn)]
         # Per-term raw scores go into the extras only when they differ from the total.
         self._weighted = len(self.terms) > 1 or any(t.weight != 1.0 for t in self.terms)
-
-    @classmethod
-    def from_terms(cls, terms: Sequence[RewardTerm]) -> RewardManager:
-        """A weighted sum of already-built terms (for callers that assemble rewards in code)."""
-        manager = cls()
-        manager.terms = list(terms)
-        manager._weighted = len(manager.terms) > 1 or any(t.weight != 1.0 for t in manager.terms)
-        return manager
 
     def score(
         self,

@@ -70,6 +70,7 @@ def generate(
     as the group id; samples get ``sample_index`` ``first_sample_index .. first_sample_index + n - 1``
     (a group may be split across calls). Returns the SDE window of every sample (see ``Trajectory``).
     """
+    # 1. Check inputs
     prompts = list(prompts)
     if prompt_indices is None:
         prompt_indices = list(range(len(prompts)))
@@ -78,25 +79,31 @@ def generate(
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     device = policy.device
+
+    # 2. One generator per sample, seeded from (seed, step, prompt index, sample index)
     prompt_index = torch.tensor(prompt_indices, dtype=torch.long).repeat_interleave(n)
     sample_index = torch.arange(first_sample_index, first_sample_index + n).repeat(len(prompts))
     seeds = [derive_sample_seed(seed, global_step, int(p), int(s)) for p, s in zip(prompt_index, sample_index, strict=True)]
     gens = _generators(seeds)
     batch = len(seeds)
 
+    # 3. Encode the prompts (and negative prompts with CFG), one row per sample
     do_cfg = _use_cfg(policy, guidance_scale, negative_prompts)
     negs = list(negative_prompts) if negative_prompts is not None else None
     cond = policy.encode_prompts(prompts, negs, max_sequence_length, do_cfg)
     cond = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
-    # Draw order per generator: initial noise, window start, then one noise tensor per step.
+    # 4. Initial noise, then each sample's window start (draw order per generator: noise, window, steps)
     latents = policy.prepare_latents(batch, height, width, gens)
     num_window = window_length(num_inference_steps, sde_window_size)
     start = sample_sde_windows(num_inference_steps, batch, sde_window_size, sde_window_range, gens).to(device)
+
+    # 5. Timesteps and sigmas of the schedule
     timesteps, sigmas = policy.set_timesteps(num_inference_steps, height, width)
     timesteps, sigmas = timesteps.to(device), sigmas.to(device)
     sigma_max = sigmas[1]
 
+    # 6. Denoising loop: the SDE step inside each sample's window (recorded), the Euler ODE step outside
     rec_latents = torch.zeros(batch, num_window + 1, *latents.shape[1:], device=device)
     rec_log_probs = torch.full((batch, num_window), float("nan"), device=device)
     rec_timesteps = torch.zeros(batch, num_window, device=device)
@@ -134,6 +141,7 @@ def generate(
         if calculate_log_probs:
             rec_log_probs[r, k] = log_prob[r]
 
+    # 7. Decode the final latents to uint8 images
     images = policy.decode(latents, height, width)
     return Trajectory(
         latents=rec_latents,
@@ -220,26 +228,3 @@ def validate_sample(
         v = policy.velocity(latents, t, cond, guidance_scale, height=height, width=width)
         latents = latents + v * (sigmas[i + 1] - sigmas[i]).to(policy.device)
     return policy.decode(latents, height, width)
-
-
-def sampling_kwargs(rollout, validate: bool = False) -> dict:
-    """`generate` keyword arguments from the `actor_rollout_ref.rollout` config section.
-
-    Validation (verl-omni's `val_kwargs`) changes the samples per prompt, the seed, the step count and
-    the noise level (0 = deterministic ODE sampling), and needs no log-probs.
-    """
-    val = rollout.val_kwargs
-    return {
-        "n": val.n if validate else rollout.n,
-        "seed": val.seed if validate else (rollout.seed or 0),
-        "height": rollout.pipeline.height,
-        "width": rollout.pipeline.width,
-        "num_inference_steps": val.pipeline.num_inference_steps if validate else rollout.pipeline.num_inference_steps,
-        "guidance_scale": rollout.pipeline.guidance_scale,
-        "noise_level": val.algo.noise_level if validate else rollout.algo.noise_level,
-        "sde_type": rollout.algo.sde_type,
-        "sde_window_size": rollout.algo.sde_window_size,
-        "sde_window_range": rollout.algo.sde_window_range,
-        "max_sequence_length": rollout.pipeline.max_sequence_length,
-        "calculate_log_probs": not validate,
-    }

@@ -32,9 +32,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
+
+from omni_core.records import partition_id  # noqa: F401  (a run's partition names, re-exported with the client)
+from omni_core.resources import TQ_CONTROLLER_CPUS, TQ_STORAGE_UNIT_CPUS
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +52,6 @@ REQUIRED_TRAJECTORY_TAGS = ("status", "global_steps", "model_version")
 
 # TQ's own names (transfer_queue/interface.py): the controller is one named actor per cluster.
 _CONTROLLER_NAME, _CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
-# Logical CPUs that TQ reserves: controller 1 + 1 per SimpleStorage unit (both @ray.remote(num_cpus=1)).
-_CONTROLLER_CPUS = 1
-_CPUS_PER_STORAGE_UNIT = 1
 
 # Whether this process started the controller (and so owns the storage actors); see close_transfer_queue.
 _owns_controller = False
@@ -62,15 +62,6 @@ class TransferQueueCapacityError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ names and keys
-def partition_id(run_id: str, split: Literal["train", "val"]) -> str:
-    """The TQ partition of one run and split: ``"<run_id>/train"``. Runs sharing a cluster never collide."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split={split!r} must be 'train' or 'val'")
-    if not run_id:
-        raise ValueError("run_id must be a non-empty string")
-    return f"{run_id}/{split}"
-
-
 def trajectory_key(uid: str, session: int | str, index: int = 0) -> str:
     """Key of one trajectory row, ``f"{uid}_{session}_{index}"`` (verl-omni's layout; index is 0 for
     single-turn diffusion). ``session`` and ``index`` may not contain '_' so that the uid parses back."""
@@ -94,7 +85,7 @@ def check_ray_capacity(
     """Raise TransferQueueCapacityError unless ``available`` logical CPUs fit the controller plus
     ``num_storage_units`` storage units. ``available`` / ``cluster`` are ``ray.available_resources()`` /
     ``ray.cluster_resources()`` (plain dicts, so the rule is testable without a cluster)."""
-    needed = _CONTROLLER_CPUS + _CPUS_PER_STORAGE_UNIT * num_storage_units
+    needed = TQ_CONTROLLER_CPUS + TQ_STORAGE_UNIT_CPUS * num_storage_units
     free = float(available.get("CPU", 0.0))
     if free >= needed:
         return
@@ -111,7 +102,7 @@ def check_ray_capacity(
             f"more --num-cpus) or lower transfer_queue.backend.SimpleStorage.num_data_storage_units."
         )
     raise TransferQueueCapacityError(
-        f"TransferQueue needs {needed} logical Ray CPUs (controller {_CONTROLLER_CPUS} + "
+        f"TransferQueue needs {needed} logical Ray CPUs (controller {TQ_CONTROLLER_CPUS} + "
         f"transfer_queue.backend.SimpleStorage.num_data_storage_units={num_storage_units}, one each) but the "
         f"Ray cluster has {free:g} available; tq.init would wait forever. {hint}"
     )

@@ -4,6 +4,11 @@
 import Ray and diffusers) load on first use.
 """
 
-from omni_core.trainers.registry import get_diffusion_trainer_cls, register_diffusion_trainer, registered_modes
+from omni_core.trainers.registry import (
+    build_diffusion_trainer,
+    get_diffusion_trainer_cls,
+    register_diffusion_trainer,
+    registered_modes,
+)
 
-__all__ = ["get_diffusion_trainer_cls", "register_diffusion_trainer", "registered_modes"]
+__all__ = ["build_diffusion_trainer", "get_diffusion_trainer_cls", "register_diffusion_trainer", "registered_modes"]

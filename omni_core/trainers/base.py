@@ -1,7 +1,9 @@
 """`PolicyGradientDiffusionTrainerV1`: the v1 controller with verl-omni's lifecycle and named hooks.
 
-`init(tokenizer, dataset)` -> `_setup()` (dataloader, the training actor on Ray, checkpoint resume) +
-`on_init_end()`; `fit(agent_loop_manager)` runs every epoch through `fit_epoch(epoch)`, which is a
+`init(train_records, val_records)` -> `_setup()` (dataloader, the training actor on Ray, checkpoint
+resume) + `on_init_end()` (the tokenizer stays with `prepare_dataset`, which checked the prompts
+against it); `init_agent_loop()` starts the rollout workers; `fit(agent_loop_manager)` runs every
+epoch through `fit_epoch(epoch)`, which is a
 function of (config, epoch, checkpoint): it can run on any Ray worker, fail, and be retried. It
 finds the run's actors by name, restores the controller state from the last checkpoint written
 before the failure (reloading the actor if its weights moved past it), clears stale TransferQueue
@@ -11,7 +13,9 @@ rows and continues. One step (sync mode) follows DESIGN.md section 1:
   first) -> advantages -> old log-probs + PPO update in the training actor -> checkpoint -> weights to
   the rollout side (on_step_end) -> validation -> metrics -> clear the step's rows.
 
-A trainer mode (`modes.py`) is hooks only.
+A trainer mode (`modes.py`) is hooks only. The controller's log lines go to `log_callback` as they
+happen (the Prefect layer forwards them to the run's log; omni_core knows nothing of Prefect), and
+`close()` stops the run's actors and clears its TransferQueue rows.
 """
 
 from __future__ import annotations
@@ -20,66 +24,31 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
 from omni_core import checkpoint as ckpt
-from omni_core.agent_loop import AgentLoopManager, WorkerNames
+from omni_core.agent_loop import AgentLoopManager
 from omni_core.algorithms.registry import get_adv_estimator
 from omni_core.config import OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import PromptRecord
+from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
+from omni_core.resources import TRAINING_ACTOR_CPUS
+from omni_core.rollout.request import RolloutRequest
+from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
-from omni_core.tq.replay_buffer import ReplayBuffer
+from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
-from omni_core.workers.rollout_worker import PromptItem
-from omni_core.workers.training_actor import TrainingActor
 
 logger = logging.getLogger("omni_core.trainer")
 
 # Every wait is bounded (DESIGN.md section 7).
 ACTOR_CALL_TIMEOUT_S = 1800.0
 ACTOR_RESTART_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """Identity of one run: its id (TQ partitions, actor names), Ray namespace and output folders."""
-
-    run_id: str
-    namespace: str
-    checkpoint_dir: str
-    log_dir: str
-
-    @property
-    def names(self) -> WorkerNames:
-        return WorkerNames(self.namespace, self.run_id)
-
-    @property
-    def train_partition(self) -> str:
-        return tqc.partition_id(self.run_id, "train")
-
-    @property
-    def val_partition(self) -> str:
-        return tqc.partition_id(self.run_id, "val")
-
-
-@dataclass
-class EpochResult:
-    """What one `fit_epoch` returns to the flow (small and picklable)."""
-
-    epoch: int
-    global_step: int
-    checkpoint: str | None
-    step_metrics: list[dict[str, float]] = field(default_factory=list)
-    val_metrics: dict[str, float] = field(default_factory=dict)
-    logs: list[str] = field(default_factory=list)
-    # (step, PNG path, metrics) of each validation in the epoch: a grid, rows = prompts, columns = samples.
-    val_grids: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)
 
 
 def cpu_threads(parallel_workers: int) -> int:
@@ -102,11 +71,13 @@ class PolicyGradientDiffusionTrainerV1:
         self.global_step = 0
         self.resume_from: str | None = None
         self.tracking: Tracking | None = None
-        self._logs: list[str] = []
         self._val_grids: list[tuple[int, str, dict[str, float]]] = []
         # Called after every step with (global_step, total_steps, metrics); the Prefect layer updates
         # its progress artifact here (omni_core itself knows nothing of Prefect).
         self.step_callback: Callable[[int, int, dict[str, float]], None] | None = None
+        # Called with (logging level, message) for every controller and worker log line, as it happens;
+        # the Prefect layer sends them to the run's log. Without it they go to the `omni_core.trainer` logger.
+        self.log_callback: Callable[[int, str], None] | None = None
 
     # ------------------------------------------------------------------------ sizes
     @property
@@ -120,8 +91,13 @@ class PolicyGradientDiffusionTrainerV1:
         return t.total_training_steps or self.steps_per_epoch * t.total_epochs
 
     @property
-    def total_epochs(self) -> int:
-        if self.config.trainer.val_only:  # one fit_epoch call that validates and trains nothing
+    def end_epoch(self) -> int:
+        """The epoch after the last one to run: epochs `start_epoch .. end_epoch - 1` remain.
+
+        Not `trainer.total_epochs`: `trainer.total_training_steps` may end training mid-epoch, and a
+        `val_only` run makes one epoch call that validates and trains nothing.
+        """
+        if self.config.trainer.val_only:
             return self.start_epoch + 1
         return -(-self.total_training_steps // self.steps_per_epoch)
 
@@ -154,11 +130,13 @@ class PolicyGradientDiffusionTrainerV1:
         self.val_records = val_records
 
     def _init_training_actor(self) -> None:
+        from omni_core.workers.training_actor import TrainingActor  # diffusers: only where the actor starts
+
         names = self.run.names
         remote = ray.remote(TrainingActor)
-        self.actor = remote.options(name=names.training_actor, namespace=names.namespace, num_cpus=1, max_restarts=3).remote(
-            self.config.model_dump(mode="json"), self.total_training_steps, cpu_threads(1)
-        )
+        self.actor = remote.options(
+            name=names.training_actor, namespace=names.namespace, num_cpus=TRAINING_ACTOR_CPUS, max_restarts=3
+        ).remote(self.config.model_dump(mode="json"), self.total_training_steps, cpu_threads(1))
 
     def _load_checkpoint(self) -> None:
         """Resume point of the run (`trainer.resume_mode`); the actor is reset to it."""
@@ -176,13 +154,28 @@ class PolicyGradientDiffusionTrainerV1:
         self._push_weights()
         return self.agent_loop
 
-    # ------------------------------------------------------------------------ attach (any process)
+    # ------------------------------------------------------------------------ attach / close (any process)
     def attach(self) -> None:
         """Find the run's actors by name (a `fit_epoch` task on a Ray worker) and join the TQ."""
         names = self.run.names
         self.actor = ray.get_actor(names.training_actor, namespace=names.namespace)
         self.agent_loop = AgentLoopManager.attach(names, self.config.actor_rollout_ref.rollout.agent.num_workers)
         tqc.attach()
+
+    def close(self) -> None:
+        """Stop the run's actors and drop its TransferQueue rows (a shared controller keeps none of a
+        finished run). Safe after a partial `init` and in a `finally` (with Ray up): what was never started
+        is skipped."""
+        for partition in (self.run.train_partition, self.run.val_partition):
+            try:
+                tqc.clear_partition(partition)
+            except Exception as exc:  # the TQ may already be gone (e.g. its controller died)
+                logger.debug("could not clear %s: %s", partition, exc)
+        if self.agent_loop is not None:
+            self.agent_loop.close()
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)  # also fine for an actor that already died
+        self.actor, self.agent_loop = None, None
 
     # ------------------------------------------------------------------------ restore / save
     def _latest_of_this_run(self) -> str | None:
@@ -226,7 +219,8 @@ class PolicyGradientDiffusionTrainerV1:
         if version != target or path is None and version != 0:
             ray.get(self.actor.reset.remote(path), timeout=ACTOR_CALL_TIMEOUT_S)
             self._log(
-                f"training actor reset to {'step ' + str(target) if path else 'the base model'} (its weights were at step {version})"
+                f"training actor reset to {'step ' + str(target) if path else 'the base model'} (its weights were at step {version})",
+                logging.WARNING,
             )
 
     def _save_checkpoint(self) -> str:
@@ -251,20 +245,24 @@ class PolicyGradientDiffusionTrainerV1:
         """The whole training loop in this process (library use; the flow runs `fit_epoch` per epoch)."""
         if agent_loop_manager is not None:
             self.agent_loop = agent_loop_manager
-        return [self.fit_epoch(epoch) for epoch in range(self.start_epoch, self.total_epochs)]
+        return [self.fit_epoch(epoch) for epoch in range(self.start_epoch, self.end_epoch)]
 
     def fit_epoch(self, epoch: int) -> EpochResult:
         """Train epoch `epoch` from the last checkpoint written before now; save at its end."""
-        self._logs = []
-        self._val_grids: list[tuple[int, str, dict[str, float]]] = []
+        self._val_grids = []
         self._restore(self._latest_of_this_run())
         for partition in (self.run.train_partition, self.run.val_partition):
             stale = tqc.clear_partition(partition)
             if stale:
-                self._log(f"cleared {stale} stale TransferQueue rows of {partition}")
+                self._log(f"cleared {stale} stale TransferQueue rows of {partition}", logging.WARNING)
         self._push_weights()
         result = EpochResult(epoch=epoch, global_step=self.global_step, checkpoint=None)
-        self.tracking = Tracking(self.config.trainer.logger, self.run.log_dir, self.total_training_steps)
+        self.tracking = Tracking(
+            self.config.trainer.logger,
+            self.run.log_dir,
+            self.total_training_steps,
+            console_sink=self._log if self.log_callback is not None else None,
+        )
         try:
             if self.config.trainer.val_only:
                 result.val_metrics = self._validate()
@@ -285,7 +283,6 @@ class PolicyGradientDiffusionTrainerV1:
         finally:
             self.tracking.close()
             result.global_step = self.global_step
-            result.logs = self._logs
             result.val_grids = self._val_grids
         return result
 
@@ -297,11 +294,13 @@ class PolicyGradientDiffusionTrainerV1:
         t = self.config.trainer
         self.on_step_begin()
         with timer("step"):
-            records = self.dataloader.next_batch()
-            items = _prompt_items(records, f"{step:06d}")
+            params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
+            request = RolloutRequest.of_records(
+                self.run.train_partition, step, params, self.dataloader.next_batch(), uid_prefix=f"{step:06d}"
+            )
             with timer("gen"):
                 self.on_sample_begin()
-                batch = self._rollout(self.run.train_partition, items, step, validate=False)
+                batch = self._rollout(request)
                 self.on_sample_end()
             keys = batch.trajectory_keys
             rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
@@ -340,22 +339,21 @@ class PolicyGradientDiffusionTrainerV1:
             self.step_callback(step, self.total_training_steps, metrics)
         return metrics
 
-    def _rollout(self, partition: str, items: list[PromptItem], step: int, validate: bool):
-        """Put prompts, dispatch them, and wait (bounded) for their complete groups."""
+    def _rollout(self, request: RolloutRequest) -> SampledBatch:
+        """Put the request's prompts, dispatch them, and wait (bounded) for their complete groups."""
         assert self.agent_loop is not None
-        tqc.put_prompts(partition, [it.uid for it in items], step)
-        self.agent_loop.generate_sequences(partition, items, step, validate=validate)
-        rollout = self.config.actor_rollout_ref.rollout
+        tqc.put_prompts(request.partition, request.uids, request.global_step)
+        self.agent_loop.generate_sequences(request)
         buffer = ReplayBuffer(
-            partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive
+            request.partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive
         )
-        batch = buffer.sample(len(items), step, rollout.val_kwargs.n if validate else rollout.n)
+        step, n = request.global_step, request.params.n
+        batch = buffer.sample(len(request.items), step, n)
         for uid, reason in batch.failed_uids.items():
-            self._log(f"step {step}: prompt group {uid} failed: {reason}")
-        expected = len(items) * (rollout.val_kwargs.n if validate else rollout.n)
-        if len(batch.trajectory_keys) != expected:
+            self._log(f"step {step}: prompt group {uid} failed: {reason}", logging.WARNING)
+        if len(batch.trajectory_keys) != request.num_samples:
             raise RuntimeError(
-                f"step {step}: rollout returned {len(batch.trajectory_keys)} of {expected} samples; failed groups: "
+                f"step {step}: rollout returned {len(batch.trajectory_keys)} of {request.num_samples} samples; failed groups: "
                 f"{batch.failed_uids}"
             )
         return batch
@@ -365,15 +363,18 @@ class PolicyGradientDiffusionTrainerV1:
         if not self.val_records:
             return {}
         self.on_validate_begin()
-        items = _prompt_items(self.val_records, f"val-{self.global_step:06d}")
-        batch = self._rollout(self.run.val_partition, items, self.global_step, validate=True)
+        params = SamplingParams.for_validation(self.config.actor_rollout_ref.rollout)
+        request = RolloutRequest.of_records(
+            self.run.val_partition, self.global_step, params, self.val_records, uid_prefix=f"val-{self.global_step:06d}"
+        )
+        batch = self._rollout(request)
         rows = tqc.get_trajectories(
             self.run.val_partition,
             batch.trajectory_keys,
             select_fields=["rewards", "failed", "data_source", "images", "prompt_index", "sample_index"],
         )
         tqc.clear(self.run.val_partition, batch.trajectory_keys)
-        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
+        n = params.n
         metrics: dict[str, float] = {}
         for source in sorted(set(rows["data_source"])):
             mask = torch.tensor([s == source for s in rows["data_source"]]) & ~rows["failed"].bool()
@@ -403,14 +404,16 @@ class PolicyGradientDiffusionTrainerV1:
         self.agent_loop.update_weights(weights, self.global_step)
 
     # ------------------------------------------------------------------------ logs
-    def _log(self, message: str) -> None:
-        logger.info(message)
-        self._logs.append(message)
+    def _log(self, message: str, level: int = logging.INFO) -> None:
+        if self.log_callback is not None:
+            self.log_callback(level, message)
+        else:
+            logger.log(level, message)
 
     def _drain_worker_logs(self) -> None:
         assert self.agent_loop is not None
-        for line in self.agent_loop.drain_logs():
-            self._log(line)
+        for level, line in self.agent_loop.drain_logs():
+            self._log(line, level)
 
     # ------------------------------------------------------------------------ hooks
     def on_init_end(self) -> None: ...
@@ -422,19 +425,3 @@ class PolicyGradientDiffusionTrainerV1:
     def on_step_end(self) -> None: ...
     def on_sample_begin(self) -> None: ...
     def on_sample_end(self) -> None: ...
-
-
-def _prompt_items(records: list[PromptRecord], uid_prefix: str) -> list[PromptItem]:
-    """Deterministic uids from (step, position): sortable, reproducible, never uuid4."""
-    return [
-        PromptItem(
-            uid=f"{uid_prefix}-{i:04d}",
-            index=i,
-            prompt=r.prompt,
-            negative_prompt=r.negative_prompt,
-            data_source=r.data_source,
-            ground_truth=r.ground_truth,
-            extra_info=dict(r.extra_info),
-        )
-        for i, r in enumerate(records)
-    ]

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
-from omni_core.trainers.registry import register_diffusion_trainer
-
-SEPARATE_ASYNC_NOT_IMPLEMENTED = (
-    "trainer.v1.trainer_mode=separate_async is registered but its rollout pool and staleness control are not "
-    "implemented yet in OmniFlow; use trainer.v1.trainer_mode=sync"
-)
+from omni_core.trainers.registry import SEPARATE_ASYNC_NOT_IMPLEMENTED, register_diffusion_trainer
 
 
 @register_diffusion_trainer("sync")

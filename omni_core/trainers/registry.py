@@ -7,7 +7,7 @@ A thin dict keyed by the names users type in `trainer.v1.trainer_mode`, as in ve
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T", bound=type)
 
@@ -16,6 +16,11 @@ DIFFUSION_TRAINER_REGISTRY: dict[str, type] = {}
 # The modes `omni_core.trainers.modes` registers, known without importing it (it pulls in Ray and
 # diffusers), so that `validate_config` stays fast and light.
 BUILTIN_MODES = ("separate_async", "sync")
+
+SEPARATE_ASYNC_NOT_IMPLEMENTED = (
+    "trainer.v1.trainer_mode=separate_async is registered but its rollout pool and staleness control are not "
+    "implemented yet in OmniFlow; use trainer.v1.trainer_mode=sync"
+)
 
 
 def register_diffusion_trainer(name: str) -> Callable[[T], T]:
@@ -43,3 +48,8 @@ def get_diffusion_trainer_cls(name: str) -> type:
     if name not in DIFFUSION_TRAINER_REGISTRY:
         raise ValueError(f"unknown trainer mode {name!r} (trainer.v1.trainer_mode); available: {', '.join(modes)}")
     return DIFFUSION_TRAINER_REGISTRY[name]
+
+
+def build_diffusion_trainer(config: Any, run: Any) -> Any:
+    """`get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)`: the run's controller."""
+    return get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)

@@ -1,10 +1,10 @@
 """`RolloutWorker`: one agent-loop worker (a Ray actor) that turns prompts into scored trajectories.
 
-For a prompt batch it tags the prompt rows `running`, samples `rollout.n` images per prompt with the
+For a `RolloutRequest` it tags the prompt rows `running`, samples `params.n` images per prompt with the
 SDE sampler, scores them with the reward manager inside the worker (verl-omni's streaming reward),
 writes one trajectory row per sample into the TransferQueue (`{uid}_{session}_0`) and tags each
-prompt `finished`, or `failure` with the reason when any of its samples failed. Log lines go back to
-the controller with the result, so they reach the Prefect run's log.
+prompt `finished`, or `failure` with the reason when any of its samples failed. Log lines (with their
+level) go back to the controller with the result, so they reach the Prefect run's log.
 """
 
 from __future__ import annotations
@@ -13,31 +13,19 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.models.policy import FlowPolicy
+from omni_core.records import LogLine
 from omni_core.rewards.manager import RewardManager
-from omni_core.rollout.sampler import generate, sampling_kwargs
+from omni_core.rollout.request import RolloutRequest
+from omni_core.rollout.sampler import generate
 from omni_core.rollout.trajectory import COND_PREFIX
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptItem:
-    """One prompt of a rollout request: its deterministic uid, position and reward inputs."""
-
-    uid: str
-    index: int  # position in the step's batch: with the step, it seeds the samples
-    prompt: str
-    negative_prompt: str | None = None
-    data_source: str = "jpeg_compressibility"
-    ground_truth: Any = None
-    extra_info: dict[str, Any] = field(default_factory=dict)
+from omni_core.tq import client as tqc
 
 
 @dataclass
@@ -48,7 +36,7 @@ class RolloutResult:
     num_samples: int
     failed: dict[str, str]  # uid -> reason
     seconds: float
-    logs: list[str]
+    logs: list[LogLine]
 
 
 class RolloutWorker:
@@ -62,9 +50,7 @@ class RolloutWorker:
         self.policy.transformer.eval()
         self.rewards = RewardManager(self.config.reward)
         self.version = 0
-        from omni_core.tq.client import attach
-
-        attach()
+        tqc.attach()
 
     def ping(self) -> int:
         return self.index
@@ -82,46 +68,37 @@ class RolloutWorker:
         self.version = version
         return version
 
-    def generate(self, partition: str, items: list[PromptItem], global_step: int, validate: bool = False) -> RolloutResult:
-        """Sample, score and store `items`; never raises for a bad sample (it is tagged `failure`)."""
-        from omni_core.tq import client as tqc
-
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """Sample, score and store the request's prompts; never raises for a bad sample (it is tagged `failure`)."""
         start = time.perf_counter()
-        logs: list[str] = []
-        uids = [it.uid for it in items]
+        partition, params, items = request.partition, request.params, request.items
+        uids = request.uids
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
-        rollout = self.config.actor_rollout_ref.rollout
+        records = [it.record for it in items]
         try:
-            kwargs = sampling_kwargs(rollout, validate)
-            n = kwargs.pop("n")
             traj = generate(
                 self.policy,
-                [it.prompt for it in items],
-                [it.negative_prompt or "" for it in items] if rollout.pipeline.guidance_scale > 1.0 else None,
-                n=n,
-                global_step=0 if validate else global_step,
-                prompt_indices=[it.index for it in items],
-                **kwargs,
+                [r.prompt for r in records],
+                params.negative_prompts([r.negative_prompt for r in records]),
+                prompt_indices=[it.position for it in items],
+                **params.generate_kwargs(request.global_step),
             )
         except Exception as exc:  # the whole batch failed: tag every prompt with the reason
             reason = f"rollout worker {self.index}: {type(exc).__name__}: {exc}"
-            logs.append(reason + "\n" + traceback.format_exc())
-            tqc.set_prompt_status(partition, uids, tqc.FAILURE, reason)
-            return RolloutResult(self.index, 0, {u: reason for u in uids}, time.perf_counter() - start, logs)
-
-        per_sample = [it for it in items for _ in range(n)]
+            return self._fail_all(request, reason, reason + "\n" + traceback.format_exc(), start)
+        per_sample = [r for r in records for _ in range(params.n)]
         try:
             scored = self.rewards.score(
                 traj.images,
-                [it.data_source for it in per_sample],
-                [it.ground_truth for it in per_sample],
-                [it.extra_info for it in per_sample],
+                [r.data_source for r in per_sample],
+                [r.ground_truth for r in per_sample],
+                [r.extra_info for r in per_sample],
             )
         except Exception as exc:  # e.g. a data_source without a reward: every sample failed, with the reason
             reason = f"reward: {type(exc).__name__}: {exc}"
-            logs.append(reason)
-            tqc.set_prompt_status(partition, uids, tqc.FAILURE, reason)
-            return RolloutResult(self.index, 0, {u: reason for u in uids}, time.perf_counter() - start, logs)
+            return self._fail_all(request, reason, reason, start)
+
+        n = params.n
         keys = [tqc.trajectory_key(it.uid, s) for it in items for s in range(n)]
         fields: dict[str, Any] = {
             "rewards": scored.scores.float(),
@@ -131,7 +108,7 @@ class RolloutWorker:
             "sample_index": traj.sample_index,
             "sample_seeds": traj.sample_seeds,
         }
-        if not validate:  # training needs the window; validation only the images and scores
+        if params.calculate_log_probs:  # training needs the window; validation only the images and scores
             fields.update(
                 latents=traj.latents,
                 log_probs=traj.log_probs,
@@ -141,30 +118,39 @@ class RolloutWorker:
                 window_start=traj.window_start,
                 **{COND_PREFIX + k: v for k, v in traj.cond.items()},
             )
-        fields["data_source"] = [it.data_source for it in per_sample]
+        fields["data_source"] = [r.data_source for r in per_sample]
         tags = [
             {
                 "status": tqc.FAILURE if bool(f) else tqc.SUCCESS,
-                "global_steps": global_step,
+                "global_steps": request.global_step,
                 "model_version": self.version,
             }
             for f in scored.failed
         ]
         tqc.put_trajectories(partition, keys, fields, tags)
 
+        logs: list[LogLine] = []
         failed: dict[str, str] = {}
         for i, it in enumerate(items):
             reasons = [scored.reasons[i * n + s] for s in range(n) if bool(scored.failed[i * n + s])]
             if reasons:
                 failed[it.uid] = f"{len(reasons)}/{n} samples failed: {reasons[0]}"
-        ok = [u for u in uids if u not in failed]
-        tqc.set_prompt_status(partition, ok, tqc.FINISHED)
+        tqc.set_prompt_status(partition, [u for u in uids if u not in failed], tqc.FINISHED)
         for uid, reason in failed.items():
             tqc.set_prompt_status(partition, [uid], tqc.FAILURE, reason)
-            logs.append(f"prompt {uid} failed: {reason}")
+            logs.append((logging.WARNING, f"prompt {uid} failed: {reason}"))
         seconds = time.perf_counter() - start
+        # Routine: the step's line and metrics (timing_s/gen) already say it; kept for DEBUG logging.
         logs.append(
-            f"rollout worker {self.index}: {len(keys)} {'validation ' if validate else ''}samples for step {global_step} "
-            f"in {seconds:.2f}s (weights v{self.version})"
+            (
+                logging.DEBUG,
+                f"rollout worker {self.index}: {len(keys)} samples for {partition} step {request.global_step} "
+                f"in {seconds:.2f}s (weights v{self.version})",
+            )
         )
         return RolloutResult(self.index, len(keys), failed, seconds, logs)
+
+    def _fail_all(self, request: RolloutRequest, reason: str, log: str, start: float) -> RolloutResult:
+        tqc.set_prompt_status(request.partition, request.uids, tqc.FAILURE, reason)
+        failed = {u: reason for u in request.uids}
+        return RolloutResult(self.index, 0, failed, time.perf_counter() - start, [(logging.WARNING, log)])

@@ -23,7 +23,6 @@ from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import score_transitions
 from omni_core.rollout.trajectory import COND_PREFIX, Trajectory
-from omni_core.sde import sde_step_from_sigmas
 
 logger = logging.getLogger(__name__)
 
@@ -171,34 +170,14 @@ class TrainingActor:
         t1 = time.perf_counter()
 
         use_kl = self.config.actor_rollout_ref.actor.use_kl_loss
-        rollout = self.config.actor_rollout_ref.rollout
-        noise_level, sde_type = rollout.algo.noise_level, rollout.algo.sde_type
 
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
             part = traj.index_select(mb["sample"])
             log_prob, mean, std = self._score(part, j)
             ref_mean = None
-            if use_kl:
+            if use_kl:  # the reference policy's mean of the same transition (no gradient)
                 with torch.no_grad():
-                    v_ref = self.policy.velocity(
-                        part.latents[:, j],
-                        part.timesteps[:, j],
-                        part.cond,
-                        rollout.pipeline.guidance_scale,
-                        use_reference=True,
-                        height=part.images.shape[-2],
-                        width=part.images.shape[-1],
-                    )
-                    _, _, ref_mean, _ = sde_step_from_sigmas(
-                        v_ref,
-                        part.latents[:, j],
-                        part.sigmas[:, j],
-                        part.sigmas[:, j + 1],
-                        part.sigma_max,
-                        noise_level,
-                        prev_sample=part.latents[:, j + 1],
-                        sde_type=sde_type,
-                    )
+                    ref_mean = self._score(part, j, use_reference=True)[1]
             return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
 
         # ppo_update slices every tensor by sample; `sample` tells step_fn which trajectory rows it got.

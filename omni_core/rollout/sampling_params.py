@@ -1,0 +1,97 @@
+"""``SamplingParams``: how one rollout request samples, built by the trainer and carried with the request.
+
+The trainer decides per request (a training step or a validation) how many samples per prompt, the
+seed, steps, noise level, guidance, SDE window and whether log-probs are recorded, and sends that
+decision with the prompts, as vLLM's ``SamplingParams`` travels with a generation request. Workers and
+the evaluation never re-derive it from the config. Plain Python (no torch): the controller, the
+workers and the evaluation all import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The keyword arguments of ``omni_core.rollout.sampler.generate`` for one request, plus ``fixed_noise``.
+
+    Attributes:
+        n: samples per prompt (the GRPO group size in training).
+        seed: base seed of every per-sample seed (``derive_sample_seed``).
+        height, width: image size in pixels.
+        num_inference_steps: denoising steps.
+        guidance_scale: CFG scale; above 1.0 the prompts' negative prompts are used.
+        noise_level: SDE noise (0 = the deterministic Euler ODE step everywhere).
+        sde_type: ``sde`` (Flow-GRPO) or ``cps``.
+        sde_window_size, sde_window_range: the SDE window (see ``omni_core.sde.sample_sde_windows``).
+        max_sequence_length: text-encoder tokens.
+        calculate_log_probs: record each in-window step's log-prob and keep the window for training;
+            False keeps only the images and scores (validation).
+        fixed_noise: seed every request as global step 0, so the same prompt gets the same noise at every
+            evaluation and images are comparable across steps (validation); False reseeds per step.
+    """
+
+    n: int
+    seed: int
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float = 1.0
+    noise_level: float = 0.7
+    sde_type: str = "sde"
+    sde_window_size: int | None = None
+    sde_window_range: tuple[int, int] | None = None
+    max_sequence_length: int = 128
+    calculate_log_probs: bool = True
+    fixed_noise: bool = False
+
+    @classmethod
+    def for_training(cls, rollout: Any) -> SamplingParams:
+        """A training step's sampling, from the ``actor_rollout_ref.rollout`` config section."""
+        return cls(
+            n=rollout.n,
+            seed=rollout.seed or 0,
+            height=rollout.pipeline.height,
+            width=rollout.pipeline.width,
+            num_inference_steps=rollout.pipeline.num_inference_steps,
+            guidance_scale=rollout.pipeline.guidance_scale,
+            noise_level=rollout.algo.noise_level,
+            sde_type=rollout.algo.sde_type,
+            sde_window_size=rollout.algo.sde_window_size,
+            sde_window_range=tuple(rollout.algo.sde_window_range) if rollout.algo.sde_window_range else None,
+            max_sequence_length=rollout.pipeline.max_sequence_length,
+            calculate_log_probs=True,
+            fixed_noise=False,
+        )
+
+    @classmethod
+    def for_validation(cls, rollout: Any) -> SamplingParams:
+        """Validation sampling (verl-omni's ``rollout.val_kwargs``): its own n, seed, steps and noise
+        level (0 = deterministic), fixed noise across evaluations, no log-probs."""
+        val = rollout.val_kwargs
+        return dataclasses.replace(
+            cls.for_training(rollout),
+            n=val.n,
+            seed=val.seed,
+            num_inference_steps=val.pipeline.num_inference_steps,
+            noise_level=val.algo.noise_level,
+            calculate_log_probs=False,
+            fixed_noise=True,
+        )
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    def negative_prompts(self, negative_prompts: Sequence[str | None]) -> list[str] | None:
+        """The negative prompts to sample with: only with CFG (``guidance_scale > 1``); a missing one is ``""``."""
+        return [p or "" for p in negative_prompts] if self.guidance_scale > 1.0 else None
+
+    def generate_kwargs(self, global_step: int) -> dict[str, Any]:
+        """``generate``'s keyword arguments for a request made at ``global_step``."""
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fixed_noise"}
+        kwargs["global_step"] = 0 if self.fixed_noise else global_step
+        return kwargs

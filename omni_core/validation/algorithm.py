@@ -1,0 +1,48 @@
+"""The algorithm a run trains with: advantage estimator, loss mode, and the LoRA keys of the policy."""
+
+from __future__ import annotations
+
+from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
+from omni_core.config import ConfigProblem, OmniFlowConfig
+
+
+def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    p: list[ConfigProblem] = []
+    model, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
+    if model.algorithm not in LOSS_MODE_NAMES:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.algorithm",
+                f"unknown or unsupported algorithm; available: {', '.join(LOSS_MODE_NAMES)}",
+                model.algorithm,
+            )
+        )
+    if actor.diffusion_loss.loss_mode not in LOSS_MODE_NAMES:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+                f"unknown loss mode; available: {', '.join(LOSS_MODE_NAMES)}",
+                actor.diffusion_loss.loss_mode,
+            )
+        )
+    if config.algorithm.adv_estimator not in ADV_ESTIMATOR_NAMES:
+        p.append(
+            ConfigProblem(
+                "algorithm.adv_estimator",
+                f"unknown advantage estimator; available: {', '.join(ADV_ESTIMATOR_NAMES)}",
+                config.algorithm.adv_estimator,
+            )
+        )
+    if model.lora_rank < 0:
+        p.append(ConfigProblem("actor_rollout_ref.model.lora_rank", "must be >= 0 (0 = full fine-tuning)", model.lora_rank))
+    elif model.lora_rank > 0 and model.lora_alpha <= 0:
+        p.append(ConfigProblem("actor_rollout_ref.model.lora_alpha", "must be > 0 when lora_rank > 0", model.lora_alpha))
+    if model.lora_adapter_path and model.lora_rank == 0:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.lora_adapter_path",
+                "needs actor_rollout_ref.model.lora_rank > 0 (the adapter's rank)",
+                model.lora_adapter_path,
+            )
+        )
+    return p

@@ -1,0 +1,45 @@
+"""Batch arithmetic: train / mini / micro batches and group size (verl-omni's trainer asserts)."""
+
+from __future__ import annotations
+
+from omni_core.config import ConfigProblem, OmniFlowConfig
+
+
+def next_multiple(value: int, divisor: int) -> int:
+    """The smallest multiple of `divisor` that is >= `value` (the "try N" of a divisibility error)."""
+    return ((value + divisor - 1) // divisor) * divisor
+
+
+def batch_size_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    p: list[ConfigProblem] = []
+    data, actor, rollout = config.data, config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    tbs, mbs = data.train_batch_size, actor.ppo_mini_batch_size
+    if tbs % mbs:
+        p.append(
+            ConfigProblem(
+                "data.train_batch_size",
+                f"must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size={mbs}; try {next_multiple(tbs, mbs)}",
+                tbs,
+            )
+        )
+    mini_samples = mbs * rollout.n
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if mini_samples % micro:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                f"must divide a mini-batch of ppo_mini_batch_size x rollout.n = {mbs} x {rollout.n} = {mini_samples} samples",
+                micro,
+            )
+        )
+    if data.gen_batch_size and tbs % data.gen_batch_size:
+        p.append(ConfigProblem("data.gen_batch_size", f"must divide data.train_batch_size={tbs}", data.gen_batch_size))
+    if rollout.n < 2:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.n",
+                "GRPO needs at least 2 samples per prompt (a group of one has advantage 0 and teaches nothing); use n >= 2",
+                rollout.n,
+            )
+        )
+    return p

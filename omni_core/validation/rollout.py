@@ -1,0 +1,57 @@
+"""Rollout and SDE sampling: the SDE window inside the denoising steps, CFG, rollout log-probs."""
+
+from __future__ import annotations
+
+from omni_core.config import ConfigProblem, OmniFlowConfig
+
+
+def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    p: list[ConfigProblem] = []
+    rollout = config.actor_rollout_ref.rollout
+    # The last step has sigma_next = 0 and cannot be an SDE step.
+    steps = rollout.pipeline.num_inference_steps
+    window, window_range = rollout.algo.sde_window_size, rollout.algo.sde_window_range
+    if window is not None and window > steps - 1:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.algo.sde_window_size",
+                f"must be <= rollout.pipeline.num_inference_steps - 1 = {steps - 1}",
+                window,
+            )
+        )
+    if window_range is not None:
+        start, end = window_range
+        if not 0 <= start < end <= steps - 1:
+            p.append(
+                ConfigProblem(
+                    "actor_rollout_ref.rollout.algo.sde_window_range",
+                    f"must satisfy 0 <= start < end <= num_inference_steps - 1 = {steps - 1}",
+                    list(window_range),
+                )
+            )
+        elif window is not None and window <= steps - 1 and end - start < window:
+            p.append(
+                ConfigProblem(
+                    "actor_rollout_ref.rollout.algo.sde_window_range",
+                    f"is narrower than actor_rollout_ref.rollout.algo.sde_window_size={window}",
+                    list(window_range),
+                )
+            )
+    if rollout.pipeline.true_cfg_scale != 1.0:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.pipeline.true_cfg_scale",
+                "true CFG (Qwen-Image style) is not implemented in OmniFlow's sampler; use "
+                "actor_rollout_ref.rollout.pipeline.guidance_scale (with negative prompts for FLUX) and keep true_cfg_scale=1.0",
+                rollout.pipeline.true_cfg_scale,
+            )
+        )
+    if config.algorithm.rollout_correction.bypass_mode and not rollout.calculate_log_probs:
+        p.append(
+            ConfigProblem(
+                "algorithm.rollout_correction.bypass_mode",
+                "uses the rollout's log-probs; set actor_rollout_ref.rollout.calculate_log_probs=true",
+                True,
+            )
+        )
+    return p

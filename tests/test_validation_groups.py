@@ -1,0 +1,172 @@
+"""Validation as a light, grouped rule set: what `omniflow validate` imports, the run's Ray budget shared
+with the cluster check, the reward and tracking rules, and the name lists that stand in for registries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from omni_core.config import ConfigError, load_config
+from omni_core.device import accelerator_driver_present
+from omni_core.ray_cluster import check_cluster_devices
+from omni_core.resources import run_resource_budget
+from omni_core.validation import config_problems, prepare_run_config
+
+CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
+HEAVY = {"torch", "diffusers", "transformers", "ray", "prefect", "peft", "pyarrow", "PIL"}
+
+
+def _fresh_interpreter(code: str) -> dict:
+    """Run `code` in a new Python process; it prints one JSON line last."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------ light imports
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["trainer.v1.trainer_mode=separate_async"],  # reached diffusers through the trainer modes before
+        ["trainer.device=cpu", "actor_rollout_ref.model.lora_rank=4", "trainer.logger=[console,file,tensorboard]"],
+        ["reward.reward_functions=[jpeg_compressibility]", "algorithm.adv_estimator=nope"],
+    ],
+)
+def test_validating_a_config_imports_no_heavy_package(overrides, tiny_sd3_dir):
+    result = _fresh_interpreter(
+        f"""
+        import json, sys
+        from omni_core.config import ConfigError
+        from omni_core.validation import prepare_run_config
+        try:
+            prepare_run_config(None, {[*overrides, f"actor_rollout_ref.model.path={tiny_sd3_dir}"]!r})
+            problems = []
+        except ConfigError as err:
+            problems = err.keys
+        print(json.dumps({{"modules": sorted({{m.split(".")[0] for m in sys.modules}}), "problems": problems}}))
+        """
+    )
+    # torch is imported only to probe a machine that shows an accelerator driver.
+    expected_heavy = {"torch"} if accelerator_driver_present() else set()
+    assert HEAVY & set(result["modules"]) == expected_heavy
+    if "trainer.v1.trainer_mode=separate_async" in overrides:
+        assert "trainer.v1.trainer_mode" in result["problems"]
+    if "algorithm.adv_estimator=nope" in overrides:
+        assert result["problems"] == ["algorithm.adv_estimator"]
+
+
+def test_omniflow_validate_answers_without_heavy_imports(tiny_sd3_dir):
+    """The CLI path: `python -X importtime` lists every module the command imported."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "omniflow.flows.cli", "validate", f"actor_rollout_ref.model.path={tiny_sd3_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("config OK: trainer.v1.trainer_mode=sync"), out.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in out.stderr.splitlines() if line.startswith("import time:")}
+    expected_heavy = {"torch"} if accelerator_driver_present() else set()
+    assert HEAVY & imported == expected_heavy
+
+
+# ------------------------------------------------------------------------------------ one Ray budget
+def test_the_budget_is_counted_by_hand_and_shared_with_the_cluster_check():
+    cfg = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2"])
+    budget = run_resource_budget(cfg)
+    # TransferQueue: controller 1 + 2 storage units; training actor 1; 2 rollout workers; the fit_epoch task 1.
+    assert budget.cpus == {"transfer_queue": 3, "training_actor": 1, "rollout_workers": 2, "fit_epoch_task": 1}
+    assert budget.total_cpus == 7 and budget.gpus == 0
+
+    enough = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", "ray_kwargs.ray_init.num_cpus=7"])
+    assert [p.key for p in config_problems(enough, CPU_ONLY) if p.key.startswith("ray_kwargs")] == []
+    check_cluster_devices(enough, {"CPU": 7.0})
+
+    # One short: validation refuses it before Ray starts (before, it only counted 6 and let the run hang
+    # until the cluster check), and the cluster check agrees.
+    short = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", "ray_kwargs.ray_init.num_cpus=6"])
+    problems = [p for p in config_problems(short, CPU_ONLY) if p.key == "ray_kwargs.ray_init.num_cpus"]
+    assert len(problems) == 1 and "reserves 7" in str(problems[0]) and "fit_epoch_task 1" in str(problems[0])
+    with pytest.raises(ConfigError, match="reserves 7"):
+        check_cluster_devices(short, {"CPU": 6.0})
+
+
+def test_gpus_in_the_budget_come_from_the_trainer_keys():
+    cfg = load_config(overrides=["trainer.device=cuda", "trainer.n_gpus_per_node=4", "trainer.nnodes=2"])
+    assert run_resource_budget(cfg).gpus == 8
+    with pytest.raises(ConfigError, match="asks for 8 GPU"):
+        check_cluster_devices(cfg, {"CPU": 64.0, "GPU": 4.0})
+
+
+# ------------------------------------------------------------------------------------ rule groups
+def test_reward_rules_name_the_entry_and_the_fix(tiny_sd3_dir, tmp_path):
+    good = tmp_path / "score.py"
+    good.write_text("def compute_score(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
+    base = [f"actor_rollout_ref.model.path={tiny_sd3_dir}"]
+
+    def problems(*overrides: str) -> dict[str, str]:
+        return {p.key: str(p) for p in config_problems(load_config(overrides=[*base, *overrides]), CPU_ONLY)}
+
+    assert problems(f"reward.reward_functions=[{{path: {good}, weight: 2}}, jpeg_compressibility]") == {}
+    found = problems(f"reward.reward_functions=[{{path: {tmp_path / 'missing.py'}}}, pickscore]")
+    assert set(found) == {"reward.reward_functions[0].path", "reward.reward_functions[1].name"}
+    assert "jpeg_compressibility, jpeg_incompressibility" in found["reward.reward_functions[1].name"]
+    # Both forms at once: the weighted sum would win and the custom function would be ignored.
+    both = problems(f"reward.custom_reward_function.path={good}", "reward.reward_functions=[jpeg_compressibility]")
+    assert list(both) == ["reward.custom_reward_function.path"] and "is unused" in both["reward.custom_reward_function.path"]
+    assert "no such file" in problems(f"reward.custom_reward_function.path={tmp_path / 'nope.py'}")["reward.custom_reward_function.path"]
+
+
+def test_tensorboard_logger_without_the_package_is_a_config_error(tiny_sd3_dir):
+    """A fresh interpreter in which `tensorboard` is not importable (None in sys.modules: Python's own
+    marker for a module that must raise ImportError, and `find_spec` then reports it absent)."""
+    result = _fresh_interpreter(
+        f"""
+        import json, sys
+
+        sys.modules["tensorboard"] = None
+        from omni_core.config import ConfigError
+        from omni_core.validation import prepare_run_config
+        out = {{}}
+        for logger in ("[console,tensorboard]", "[console,file]"):
+            try:
+                prepare_run_config(None, ["trainer.logger=" + logger, "actor_rollout_ref.model.path={tiny_sd3_dir}"])
+                out[logger] = None
+            except ConfigError as err:
+                out[logger] = str(err)
+        print(json.dumps(out))
+        """
+    )
+    assert result["[console,file]"] is None
+    assert "trainer.logger" in result["[console,tensorboard]"] and "pip install tensorboard" in result["[console,tensorboard]"]
+
+
+def test_prepare_run_config_names_the_experiment_and_forces_the_transfer_queue(tiny_sd3_dir, tmp_path):
+    cfg = prepare_run_config(
+        None,
+        [f"actor_rollout_ref.model.path={tiny_sd3_dir}", "transfer_queue.enable=false", f"trainer.default_local_dir={tmp_path}"],
+        experiment_suffix="20261203-030000-brave-otter",
+    )
+    assert cfg.transfer_queue.enable is True
+    assert cfg.trainer.experiment_name == "tiny_sd3_jpeg-20261203-030000-brave-otter"
+    assert cfg.trainer.checkpoint_dir == tmp_path / "tiny_sd3_jpeg-20261203-030000-brave-otter"
+    assert cfg.trainer.device == "cpu" or accelerator_driver_present()
+
+
+# ------------------------------------------------------------------------------------ light name lists
+def test_light_name_lists_equal_the_registries():
+    from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
+    from omni_core.algorithms.registry import ADV_ESTIMATORS, LOSS_MODES
+    from omni_core.rewards.names import BUILTIN_REWARD_NAMES
+    from omni_core.rewards.registry import REWARD_FUNCTIONS
+    from omni_core.trainers.registry import BUILTIN_MODES, DIFFUSION_TRAINER_REGISTRY, get_diffusion_trainer_cls
+
+    assert set(ADV_ESTIMATORS) == set(ADV_ESTIMATOR_NAMES) == {"flow_grpo", "dance_grpo"}
+    assert set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo"}
+    assert set(REWARD_FUNCTIONS) == set(BUILTIN_REWARD_NAMES) == {"jpeg_compressibility", "jpeg_incompressibility"}
+    get_diffusion_trainer_cls("sync")  # registers the built-in modes
+    assert set(BUILTIN_MODES) <= set(DIFFUSION_TRAINER_REGISTRY) and set(BUILTIN_MODES) == {"sync", "separate_async"}
