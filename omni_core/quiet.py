@@ -1,11 +1,13 @@
-"""Library output that calls for no action, turned off where OmniFlow loads and saves models.
+"""Library output that calls for no action, turned off where OmniFlow starts Ray and loads and saves models.
 
 A run loads the pipeline in every actor, so each notice below would print once per process:
 
 - transformers' notice that `CLIPImageProcessor` / `SiglipImageProcessor` fall back to PIL without
   torchvision (diffusers' IP-adapter loader imports those classes; OmniFlow never uses them);
 - diffusers' and transformers' progress bars while loading and saving a pipeline;
-- diffusers' "Attention backends are an experimental feature" on every `set_attention_backend`.
+- diffusers' "Attention backends are an experimental feature" on every `set_attention_backend`;
+- Ray's notice that it turned token authentication on for a local cluster (its default since 2.60;
+  the token stays on).
 
 Only these exact messages are dropped: every other warning of these libraries still shows.
 """
@@ -18,6 +20,7 @@ import logging
 _DROPPED: dict[str, tuple[str, ...]] = {
     "transformers.utils.import_utils": ("requires torchvision",),
     "diffusers.models.modeling_utils": ("Attention backends are an experimental feature",),
+    "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray cluster",),
 }
 
 

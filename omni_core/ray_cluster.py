@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
+from omni_core.quiet import drop_library_notices
 from omni_core.resources import run_resource_budget
 
 NAMESPACE = "omniflow"
@@ -34,10 +35,12 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
     # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    # Ray 2.60 turns token auth on for local clusters, and a client joining by address needs it too; set
-    # explicitly, it also spares the console Ray's notice that it chose it. Ray's own INFO lines stay off.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Ray's own INFO lines (e.g. "Started a local Ray instance") stay off; its warnings show, but for the
+    # notice that it chose token auth (omni_core.quiet).
+    drop_library_notices()
     if init.address:
+        # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True, logging_level=logging.WARNING)
     else:
         ray.init(
