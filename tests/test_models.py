@@ -14,10 +14,28 @@ from safetensors.torch import load_file
 from omni_core.models.loader import ModelLoadError, load_pipeline
 from omni_core.models.policy import FlowPolicy
 from omni_core.models.tiny import build_tiny_pipeline
-from omni_core.rollout.sampler import validate_sample
+from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SIZE, STEPS, MAX_LEN = 64, 4, 16
+
+
+def ode_images(policy: FlowPolicy, prompts: list[str], seed: int, guidance_scale: float = 1.0) -> torch.Tensor:
+    """Deterministic samples (noise level 0: the Euler ODE step everywhere), one per prompt, as validation draws them."""
+    params = SamplingParams(
+        n=1,
+        seed=seed,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        noise_level=0.0,
+        max_sequence_length=MAX_LEN,
+        calculate_log_probs=False,
+        fixed_noise=True,
+    )
+    return generate(policy, prompts, **params.generate_kwargs(global_step=0)).images
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -100,29 +118,19 @@ def test_loader_errors_name_the_path_and_problem(tiny_sd3_dir, tmp_path):
 @pytest.mark.parametrize("fixture", ["tiny_sd3_dir", "tiny_flux_dir"])
 def test_save_load_gives_identical_images(fixture, request, tmp_path):
     policy = FlowPolicy(request.getfixturevalue(fixture))
-    kwargs = dict(seed=3, height=SIZE, width=SIZE, num_inference_steps=STEPS, max_sequence_length=MAX_LEN)
-    images = validate_sample(policy, ["a red circle", "two dogs"], **kwargs)
+    images = ode_images(policy, ["a red circle", "two dogs"], seed=3)
     assert images.dtype == torch.uint8 and images.shape == (2, 3, SIZE, SIZE)
     assert images.float().std() > 0  # not a constant image
     policy.pipeline.save_pretrained(tmp_path / "saved")
     reloaded = FlowPolicy(tmp_path / "saved")
-    assert torch.equal(validate_sample(reloaded, ["a red circle", "two dogs"], **kwargs), images)
+    assert torch.equal(ode_images(reloaded, ["a red circle", "two dogs"], seed=3), images)
 
 
 @pytest.mark.parametrize("fixture,guidance", [("tiny_sd3_dir", 1.0), ("tiny_flux_dir", 3.5)])
 def test_ode_sampling_matches_the_diffusers_pipeline(fixture, guidance, request):
     """Our arch adapters mirror the pipelines' __call__: same latents -> the same images."""
     policy = FlowPolicy(request.getfixturevalue(fixture))
-    ours = validate_sample(
-        policy,
-        ["a red cat"],
-        seed=0,
-        height=SIZE,
-        width=SIZE,
-        num_inference_steps=STEPS,
-        guidance_scale=guidance,
-        max_sequence_length=MAX_LEN,
-    )
+    ours = ode_images(policy, ["a red cat"], seed=0, guidance_scale=guidance)
     from omni_core.rollout.sampler import _generators, derive_sample_seed
 
     latents = policy.prepare_latents(1, SIZE, SIZE, _generators([derive_sample_seed(0, 0, 0, 0)]))

@@ -63,7 +63,15 @@ def test_validating_a_config_imports_no_heavy_package(overrides, tiny_sd3_dir):
 def test_omniflow_validate_answers_without_heavy_imports(tiny_sd3_dir):
     """The CLI path: `python -X importtime` lists every module the command imported."""
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "omniflow.flows.cli", "validate", f"actor_rollout_ref.model.path={tiny_sd3_dir}"],
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "omniflow.flows.cli",
+            "validate",
+            f"actor_rollout_ref.model.path={tiny_sd3_dir}",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -118,7 +126,10 @@ def test_reward_rules_name_the_entry_and_the_fix(tiny_sd3_dir, tmp_path):
     # Both forms at once: the weighted sum would win and the custom function would be ignored.
     both = problems(f"reward.custom_reward_function.path={good}", "reward.reward_functions=[jpeg_compressibility]")
     assert list(both) == ["reward.custom_reward_function.path"] and "is unused" in both["reward.custom_reward_function.path"]
-    assert "no such file" in problems(f"reward.custom_reward_function.path={tmp_path / 'nope.py'}")["reward.custom_reward_function.path"]
+    assert (
+        "no such file"
+        in problems(f"reward.custom_reward_function.path={tmp_path / 'nope.py'}")["reward.custom_reward_function.path"]
+    )
 
 
 def test_tensorboard_logger_without_the_package_is_a_config_error(tiny_sd3_dir):

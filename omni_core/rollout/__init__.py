@@ -13,7 +13,6 @@ _EXPORTS = {
     "derive_sample_seed": "omni_core.rollout.sampler",
     "generate": "omni_core.rollout.sampler",
     "score_transitions": "omni_core.rollout.sampler",
-    "validate_sample": "omni_core.rollout.sampler",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,5 @@
-"""Batched rollout with per-step log-probs (training) and deterministic sampling (validation).
+"""Batched rollout: ``generate`` samples with per-step log-probs (training) or at noise level 0 without
+them (validation), as the request's ``SamplingParams`` say (``params.generate_kwargs(step)``).
 
 Follows flow_grpo's ``pipeline_with_logprob`` loop (yifan123/flow_grpo) with its newer SDE windows
 (``sde_window_size`` / ``sde_window_range``, as in Flow-GRPO-Fast / MixGRPO): each sample uses the SDE
@@ -197,34 +198,3 @@ def score_transitions(
         sde_type=sde_type,
     )
     return log_prob, mean, std
-
-
-@torch.no_grad()
-def validate_sample(
-    policy: FlowPolicy,
-    prompts: Sequence[str],
-    negative_prompts: Sequence[str] | None = None,
-    *,
-    seed: int,
-    height: int,
-    width: int,
-    num_inference_steps: int,
-    guidance_scale: float = 1.0,
-    max_sequence_length: int = 128,
-) -> torch.Tensor:
-    """Deterministic (noise 0, Euler ODE) samples for evaluation: uint8 images ``[P, 3, H, W]``.
-
-    Prompt ``i`` starts from the noise of ``derive_sample_seed(seed, 0, i, 0)``, so the same validation
-    prompt gets the same noise at every evaluation and the images are comparable across steps.
-    """
-    prompts = list(prompts)
-    gens = _generators([derive_sample_seed(seed, 0, i, 0) for i in range(len(prompts))])
-    negs = list(negative_prompts) if negative_prompts is not None else None
-    cond = policy.encode_prompts(prompts, negs, max_sequence_length, _use_cfg(policy, guidance_scale, negs))
-    latents = policy.prepare_latents(len(prompts), height, width, gens)
-    timesteps, sigmas = policy.set_timesteps(num_inference_steps, height, width)
-    for i in range(num_inference_steps):
-        t = timesteps[i].to(policy.device).expand(len(prompts))
-        v = policy.velocity(latents, t, cond, guidance_scale, height=height, width=width)
-        latents = latents + v * (sigmas[i + 1] - sigmas[i]).to(policy.device)
-    return policy.decode(latents, height, width)

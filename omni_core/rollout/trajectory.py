@@ -21,15 +21,15 @@ prompt_index   [B] int64              index of the prompt in the dataset / batch
 sample_index   [B] int64              index of the sample within its prompt's group
 ============== ===================== =====================================================================
 
-Transition ``j`` goes from ``latents[:, j]`` to ``latents[:, j+1]``. ``to_rows`` / ``from_rows`` split a
-batch into one dict per sample (no batch dim) and back, for a key-value queue; ``index_select`` / ``cat``
-do the same on whole batches.
+Transition ``j`` goes from ``latents[:, j]`` to ``latents[:, j+1]``. ``to_columns`` / ``from_columns`` are
+the TransferQueue row schema (the rollout worker writes it, the training actor reads it back);
+``index_select`` / ``cat`` pick and join samples.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -114,29 +114,20 @@ class Trajectory:
         prompts = [s for p in parts for s in p.prompts]
         return cls(**joined, cond=cond, prompts=prompts)
 
-    def to_rows(self) -> list[dict[str, object]]:
-        """One dict per sample: tensors without the batch dim, ``cond.<key>`` for the cond entries,
-        ``prompt`` (str) and the integer ids as Python ints."""
-        rows = []
-        for i in range(self.batch_size):
-            row: dict[str, object] = {name: getattr(self, name)[i] for name in _FLOAT_FIELDS + ("images",)}
-            row |= {COND_PREFIX + k: v[i] for k, v in self.cond.items()}
-            row |= {name: int(getattr(self, name)[i]) for name in _LONG_FIELDS}
-            row["prompt"] = self.prompts[i]
-            rows.append(row)
-        return rows
+    def to_columns(self, window: bool = True) -> dict[str, torch.Tensor]:
+        """The TransferQueue row schema: one ``[B, ...]`` column per field, ``cond.<key>`` for the prompt
+        embeddings; the prompts themselves are not stored. ``window=False`` keeps only the images and the
+        per-sample ids (a validation row)."""
+        names = _TENSOR_FIELDS if window else ("images", *_LONG_FIELDS[1:])
+        columns = {name: getattr(self, name) for name in names}
+        if window:
+            columns |= {COND_PREFIX + k: v for k, v in self.cond.items()}
+        return columns
 
     @classmethod
-    def from_rows(cls, rows: Sequence[dict[str, object]]) -> Trajectory:
-        """Inverse of ``to_rows`` (rows may come from different batches with the same W and shapes)."""
-        if not rows:
-            raise ValueError("Trajectory.from_rows needs at least one row")
-        stacked = {name: torch.stack([torch.as_tensor(r[name]) for r in rows]) for name in _FLOAT_FIELDS + ("images",)}
-        ints = {name: torch.tensor([int(r[name]) for r in rows], dtype=torch.long) for name in _LONG_FIELDS}
-        cond_keys = [k for k in rows[0] if k.startswith(COND_PREFIX)]
-        cond = {k.removeprefix(COND_PREFIX): torch.stack([torch.as_tensor(r[k]) for r in rows]) for k in cond_keys}
-        return cls(**stacked, **ints, cond=cond, prompts=[str(r["prompt"]) for r in rows])
-
-
-# Names of the per-row fields (for a queue schema).
-ROW_FIELDS = tuple(f.name for f in fields(Trajectory) if f.name not in ("cond", "prompts")) + ("prompt",)
+    def from_columns(cls, columns: dict[str, object]) -> Trajectory:
+        """A training batch from the columns ``get_trajectories`` returns (the inverse of ``to_columns``;
+        other columns, such as rewards, are ignored; prompts come back empty)."""
+        cond = {k.removeprefix(COND_PREFIX): v for k, v in columns.items() if k.startswith(COND_PREFIX)}
+        tensors = {name: columns[name] for name in _TENSOR_FIELDS}
+        return cls(**tensors, cond=cond, prompts=[""] * len(columns["latents"]))

@@ -24,7 +24,6 @@ from omni_core.records import LogLine
 from omni_core.rewards.manager import RewardManager
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampler import generate
-from omni_core.rollout.trajectory import COND_PREFIX
 from omni_core.tq import client as tqc
 
 
@@ -100,24 +99,12 @@ class RolloutWorker:
 
         n = params.n
         keys = [tqc.trajectory_key(it.uid, s) for it in items for s in range(n)]
+        # Training needs the SDE window; a validation row only the images, ids and scores.
         fields: dict[str, Any] = {
             "rewards": scored.scores.float(),
             "failed": scored.failed,
-            "images": traj.images,
-            "prompt_index": traj.prompt_index,
-            "sample_index": traj.sample_index,
-            "sample_seeds": traj.sample_seeds,
+            **traj.to_columns(window=params.calculate_log_probs),
         }
-        if params.calculate_log_probs:  # training needs the window; validation only the images and scores
-            fields.update(
-                latents=traj.latents,
-                log_probs=traj.log_probs,
-                timesteps=traj.timesteps,
-                sigmas=traj.sigmas,
-                sigma_max=traj.sigma_max,
-                window_start=traj.window_start,
-                **{COND_PREFIX + k: v for k, v in traj.cond.items()},
-            )
         fields["data_source"] = [r.data_source for r in per_sample]
         tags = [
             {

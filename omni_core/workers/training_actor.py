@@ -22,33 +22,9 @@ from omni_core.checkpoint.files import read_tensors, read_torch_state, write_ten
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import score_transitions
-from omni_core.rollout.trajectory import COND_PREFIX, Trajectory
+from omni_core.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
-
-# Fields the actor reads from a trajectory row (everything but the images' pixels).
-TRAIN_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "sigma_max", "window_start", "images")
-
-
-def batch_from_rows(fields: dict[str, Any]) -> Trajectory:
-    """A `Trajectory` from the columns `get_trajectories` returns (prompts are not needed to train)."""
-    cond = {k[len(COND_PREFIX) :]: v for k, v in fields.items() if k.startswith(COND_PREFIX)}
-    b = fields["latents"].shape[0]
-    zeros = torch.zeros(b, dtype=torch.long)
-    return Trajectory(
-        latents=fields["latents"],
-        log_probs=fields["log_probs"],
-        timesteps=fields["timesteps"],
-        sigmas=fields["sigmas"],
-        sigma_max=fields["sigma_max"],
-        window_start=fields["window_start"],
-        cond=cond,
-        images=fields["images"],
-        prompts=[""] * b,
-        sample_seeds=fields.get("sample_seeds", zeros),
-        prompt_index=fields.get("prompt_index", zeros),
-        sample_index=fields.get("sample_index", zeros),
-    )
 
 
 class TrainingActor:
@@ -157,7 +133,7 @@ class TrainingActor:
         from omni_core.tq.client import get_trajectories
 
         t0 = time.perf_counter()
-        traj = batch_from_rows(get_trajectories(partition, keys))
+        traj = Trajectory.from_columns(get_trajectories(partition, keys))
         metrics = self.train_on(traj, advantages, global_step)
         metrics["timing_s/old_log_prob"] += time.perf_counter() - t0 - metrics.pop("_train_s")
         return metrics
