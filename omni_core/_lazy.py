@@ -1,8 +1,8 @@
 """Lazy re-exports for packages whose submodules are heavy (torch, diffusers).
 
-`from omni_core.rewards import RewardManager` still works, but `import omni_core.rewards.names` no longer
-pays for torch: a package's `__init__` names what it re-exports, and each name's module is imported on
-first access (PEP 562 module `__getattr__`).
+`from omni_core.models import FlowPolicy` works, but `import omni_core.models.loader` alone does not pay for
+the rest: a package's `__init__` names what it re-exports, and each name's module is imported on first
+access (PEP 562 module `__getattr__`).
 """
 
 from __future__ import annotations

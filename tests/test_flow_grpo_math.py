@@ -7,16 +7,8 @@ import math
 import pytest
 import torch
 
-from omni_core.algorithms import (
-    ADV_ESTIMATORS,
-    LOSS_MODES,
-    broadcast_advantages,
-    compute_flow_grpo_advantages,
-    get_adv_estimator,
-    get_policy_loss,
-    kl_loss,
-    policy_loss,
-)
+from omni_core.algorithms.flow_grpo import broadcast_advantages, compute_flow_grpo_advantages, kl_loss, policy_loss
+from omni_core.algorithms.registry import ADV_ESTIMATORS, LOSS_MODES, get_adv_estimator, get_policy_loss
 
 torch.set_num_threads(1)
 

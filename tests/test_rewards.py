@@ -12,14 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_core.rewards import (
-    RewardLoadError,
-    RewardManager,
-    default_compute_score,
-    jpeg_compressibility,
-    jpeg_incompressibility,
-    load_reward_function,
-)
+from omni_core.rewards.builtin import jpeg_compressibility, jpeg_incompressibility
+from omni_core.rewards.custom import RewardLoadError, load_reward_function
+from omni_core.rewards.manager import RewardManager
+from omni_core.rewards.registry import default_compute_score
 
 torch.set_num_threads(1)
 

@@ -15,13 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from omni_core.algorithms import (
-    PPOUpdateConfig,
-    StepOutput,
-    build_lr_scheduler,
-    build_optimizer,
-    ppo_update,
-)
+from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, build_lr_scheduler, build_optimizer, ppo_update
 
 torch.set_num_threads(1)
 
