@@ -94,7 +94,7 @@ def test_missing_base_model_fails_before_training(prefect_api, tmp_path):
 def test_existing_model_of_another_arch_is_refused(tiny_sd3_dir):
     from omniflow.tasks.prepare_base_model import prepare_base_model
 
-    from omni_core.models import ModelLoadError
+    from omni_core.models.loader import ModelLoadError
 
     assert prepare_base_model.fn(str(tiny_sd3_dir), False, "sd3") == str(Path(tiny_sd3_dir).resolve())
     with pytest.raises(ModelLoadError, match=r"base_model=.*arch='flux'"):

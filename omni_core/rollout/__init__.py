@@ -1,18 +1,6 @@
-"""Rollout: batched SDE sampling with log-probs into ``Trajectory`` records, and validation sampling.
+"""Rollout, one module each: the per-request sampling choices (`sampling_params`, plain Python), a rollout
+request (`request`), the `Trajectory` record and TQ row schema (`trajectory`, torch only) and the batched
+SDE sampler (`sampler`, needs the diffusers-backed `FlowPolicy`).
 
-``trajectory`` is torch-only and ``sampling_params`` is plain Python; ``sampler`` needs the
-diffusers-backed ``FlowPolicy``. Names are re-exported lazily so that importing a light submodule
-stays light.
+Import from the submodules; the package itself imports nothing, so the light ones stay light.
 """
-
-from omni_core._lazy import lazy_exports
-
-_EXPORTS = {
-    "SamplingParams": "omni_core.rollout.sampling_params",
-    "Trajectory": "omni_core.rollout.trajectory",
-    "derive_sample_seed": "omni_core.rollout.sampler",
-    "generate": "omni_core.rollout.sampler",
-    "score_transitions": "omni_core.rollout.sampler",
-}
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
