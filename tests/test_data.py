@@ -8,7 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from omni_core.data import PromptDataLoader, PromptFileError, PromptRecord, load_prompts, make_dataset
+from omni_core.data.dataloader import PromptDataLoader
+from omni_core.data.make_dataset import make_dataset
+from omni_core.data.prompts import PromptFileError, PromptRecord, load_prompts
 from omni_core.data_files import DataFileError
 
 

@@ -181,3 +181,19 @@ def test_light_name_lists_equal_the_registries():
     assert set(REWARD_FUNCTIONS) == set(BUILTIN_REWARD_NAMES) == {"jpeg_compressibility", "jpeg_incompressibility"}
     get_diffusion_trainer_cls("sync")  # registers the built-in modes
     assert set(BUILTIN_MODES) <= set(DIFFUSION_TRAINER_REGISTRY) and set(BUILTIN_MODES) == {"sync", "separate_async"}
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["omni_core.records", "omni_core.resources", "omni_core.rollout.sampling_params", "omni_core.rollout.request"],
+)
+def test_shared_records_are_light(module):
+    """What flows, tasks, workers and the trainer hand each other imports neither torch nor Ray."""
+    result = _fresh_interpreter(
+        f"""
+        import json, sys
+        import {module}
+        print(json.dumps({{"modules": sorted({{m.split(".")[0] for m in sys.modules}})}}))
+        """
+    )
+    assert HEAVY & set(result["modules"]) == set()

@@ -1,11 +1,8 @@
-"""Prompt data: loading prompt files into `PromptRecord`s, writing verl-layout parquet, and the resumable loader.
+"""Prompt data, one module each: prompt files into `PromptRecord`s (`prompts`, plain Python), the run's
+train / val datasets checked against the tokenizer (`datasets`), the resumable loader (`dataloader`) and
+writing the verl parquet layout (`make_dataset`).
 
-Mirrors verl-omni's `_init_dataloader` (RLHFDataset + StatefulDataLoader) without a tokenizer: prompts stay
-raw text here; the chat template and tokenisation happen later, on the rollout side.
+Mirrors verl-omni's `_init_dataloader` (RLHFDataset + StatefulDataLoader) without a tokenizer in the
+loop: prompts stay raw text here; the text encoders see them on the rollout side. Import from the
+submodules; the package itself imports nothing, so `PromptRecord` stays light.
 """
-
-from omni_core.data.dataloader import PromptDataLoader
-from omni_core.data.make_dataset import make_dataset
-from omni_core.data.prompts import PromptFileError, PromptRecord, load_prompts
-
-__all__ = ["PromptDataLoader", "PromptFileError", "PromptRecord", "load_prompts", "make_dataset"]
