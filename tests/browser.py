@@ -1,8 +1,8 @@
 """Debian's chromium + chromium-driver for the browser tests: found, or installed with apt where missing.
 
 Playwright cannot download its browsers on these machines; Debian's packages can be installed. The
-test set-up installs them (as root, or with passwordless sudo) once; a test is skipped, with the
-reason, only where that is impossible.
+test set-up installs them (as root, or with passwordless sudo) once, in a fixture bounded on its own;
+a test is skipped, with the reason, only where that is impossible (no apt, no root, no mirror reachable).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 PACKAGES = ["chromium", "chromium-driver"]
@@ -21,14 +22,42 @@ def _find() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-def _apt(args: list[str]) -> subprocess.CompletedProcess:
+# apt's own messages when it cannot reach a mirror (no network, no DNS, a proxy that refuses).
+_UNREACHABLE = (
+    "Temporary failure resolving",
+    "Could not resolve",
+    "Failed to fetch",
+    "Network is unreachable",
+    "Could not connect",
+    "Connection timed out",
+    "Connection failed",
+)
+INSTALL_BOUND_S = 900.0  # apt-get update + install together, on a slow mirror
+
+
+def _apt(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    return subprocess.run([*sudo, "apt-get", *args], env=env, capture_output=True, text=True, timeout=900)
+    cmd = [*sudo, "apt-get", *args]
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return subprocess.CompletedProcess(cmd, 124, out, f"apt-get {args[0]} timed out after {timeout_s:.0f}s")
 
 
-def ensure_chromium() -> tuple[str, str] | str:
-    """(chromium, chromedriver) paths, installing them if needed; or why they cannot be had."""
+def _unreachable(result: subprocess.CompletedProcess) -> bool:
+    text = f"{result.stdout}\n{result.stderr}"
+    return any(marker in text for marker in _UNREACHABLE)
+
+
+def ensure_chromium(bound_s: float = INSTALL_BOUND_S) -> tuple[str, str] | str:
+    """(chromium, chromedriver) paths, installing them with apt within `bound_s` seconds if needed.
+
+    Returns a reason (a str) only where they cannot be had on this machine: no apt-get, no root, or
+    apt cannot reach its mirrors. Any other failure of apt (a broken package, the bound exceeded)
+    raises, so that the test fails instead of being skipped.
+    """
     found = _find()
     if found:
         return found
@@ -36,14 +65,20 @@ def ensure_chromium() -> tuple[str, str] | str:
         return "chromium / chromium-driver are not installed and this machine has no apt-get"
     if os.geteuid() != 0 and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
         return "chromium / chromium-driver are not installed, and installing them needs root (no passwordless sudo)"
-    result = _apt(["install", "-y", "--no-install-recommends", *PACKAGES])
-    if result.returncode != 0:  # a fresh machine may have no package lists yet
-        _apt(["update"])
-        result = _apt(["install", "-y", "--no-install-recommends", *PACKAGES])
+    deadline = time.monotonic() + bound_s
+    install = ["install", "-y", "--no-install-recommends", *PACKAGES]
+    result = _apt(install, deadline - time.monotonic())
+    if result.returncode != 0:  # a fresh machine may have no (or stale) package lists
+        update = _apt(["update"], deadline - time.monotonic())
+        if update.returncode != 0 and _unreachable(update):
+            return f"apt cannot reach its mirrors to install {' '.join(PACKAGES)}: {update.stderr.strip()[-500:]}"
+        result = _apt(install, deadline - time.monotonic())
     found = _find()
     if found:
         return found
-    return f"apt-get install {' '.join(PACKAGES)} failed: {result.stderr.strip()[-500:]}"
+    if _unreachable(result):
+        return f"apt cannot reach its mirrors to install {' '.join(PACKAGES)}: {result.stderr.strip()[-500:]}"
+    raise RuntimeError(f"apt-get install {' '.join(PACKAGES)} failed ({result.returncode}): {result.stderr.strip()[-1500:]}")
 
 
 def chrome(browser: str, driver: str, width: int = 1600, height: int = 1200):
@@ -58,8 +93,8 @@ def chrome(browser: str, driver: str, width: int = 1600, height: int = 1200):
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
-def screenshot_dir() -> Path:
-    """Where browser tests keep their screenshots (test output files): outputs/test-screenshots."""
-    d = Path(os.environ.get("OMNIFLOW_TEST_OUTPUT", Path(__file__).resolve().parents[1] / "outputs" / "test-screenshots"))
+def screenshot_dir(root: Path) -> Path:
+    """Where a browser test keeps its screenshots: a folder in its own temp dir (`root`)."""
+    d = Path(root) / "screenshots"
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -1,8 +1,26 @@
-"""Shared pytest set-up: offline, telemetry off, deterministic threads."""
+"""Shared pytest set-up: offline, telemetry off, deterministic threads, Prefect files in a temp dir."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
+
+# Prefect's files of this session (result storage, memo store, profiles) go to a temporary PREFECT_HOME
+# that is removed at the end, never to ~/.prefect. Prefect reads its settings when first imported, and
+# pytest imports this file before any test module (which import prefect), so setting them here is in time;
+# Ray workers and the subprocesses of the tests inherit them.
+if "prefect" in sys.modules:
+    raise RuntimeError("prefect was imported before tests/conftest.py could give the session its own PREFECT_HOME")
+PREFECT_TEST_HOME = tempfile.mkdtemp(prefix="omniflow-tests-prefect-home-")
+os.environ["PREFECT_HOME"] = PREFECT_TEST_HOME
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(PREFECT_TEST_HOME, "storage")
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(PREFECT_TEST_HOME, ignore_errors=True)
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

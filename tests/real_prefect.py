@@ -63,6 +63,26 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> int:
         return proc.wait(timeout=10)
 
 
+def wait_gone(processes: list[Any], timeout_s: float) -> None:
+    """Poll until none of `processes` (psutil.Process) runs any more, zombies counting as gone; fail with
+    the ones left once `timeout_s` has passed."""
+    import psutil
+
+    def alive() -> list[str]:
+        left = []
+        for p in processes:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid}: {' '.join(p.cmdline())[:120]}")
+        return left
+
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = alive()
+    assert not left, f"still running {timeout_s:.0f}s later: {left}"
+
+
 @contextlib.contextmanager
 def api(url: str) -> Iterator[Any]:
     """A sync Prefect client of the server at `url` (the test session's harness stays untouched)."""

@@ -7,7 +7,8 @@ Two servers, started and stopped here, one per way of deploying:
 
 The runs are triggered through the API as the UI does (a flow run created from a deployment with
 parameters), all at module set-up so that they run side by side; each test then waits for its own.
-The browser test opens the served run's page in Debian chromium and keeps a screenshot.
+The browser test opens the served run's page in Debian chromium and keeps screenshots in its tmp_path.
+No test needs another to run first: the one that stops `serve` waits for the runs it serves to end.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterState,
     FlowRunFilterStateType,
 )
-from real_prefect import REPO, api, deployment, prefect_cli, server_env, start_process, stop_process, wait_final
+from real_prefect import REPO, api, deployment, prefect_cli, server_env, start_process, stop_process, wait_final, wait_gone
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,6 +45,7 @@ class Stack:
     root: Path
     served_url: str
     pooled_url: str
+    started: datetime.datetime  # before `serve` registered the deployments and their schedules
     deploy_output: Any = None
     serve: Any = None
     worker: Any = None
@@ -78,7 +80,7 @@ def stack(tmp_path_factory, flow_overrides):
     root = tmp_path_factory.mktemp("deployments")
     served, pooled = PrefectServer(root / "served-home"), PrefectServer(root / "pooled-home")
     served.start(), pooled.start()
-    s = Stack(root, served.url, pooled.url)
+    s = Stack(root, served.url, pooled.url, datetime.datetime.now(datetime.UTC))
     try:
         served.wait_ready(), pooled.wait_ready()
         served_env, pooled_env = server_env(served.url, served.home), server_env(pooled.url, pooled.home)
@@ -135,8 +137,20 @@ def stack(tmp_path_factory, flow_overrides):
 
 
 # ----------------------------------------------------------------------------- serve path
+def _next_3am_utc(after: datetime.datetime) -> datetime.datetime:
+    """The first 03:00:00 UTC strictly after `after` (cron `0 3 * * *`, worked out by hand)."""
+    at = after.astimezone(datetime.UTC).replace(hour=3, minute=0, second=0, microsecond=0)
+    return at if at > after else at + datetime.timedelta(days=1)
+
+
+def test_next_3am_utc_by_hand():
+    utc = datetime.UTC
+    assert _next_3am_utc(datetime.datetime(2025, 1, 1, 2, 59, 59, tzinfo=utc)) == datetime.datetime(2025, 1, 1, 3, tzinfo=utc)
+    assert _next_3am_utc(datetime.datetime(2025, 1, 1, 3, 0, 0, tzinfo=utc)) == datetime.datetime(2025, 1, 2, 3, tzinfo=utc)
+    assert _next_3am_utc(datetime.datetime(2025, 12, 31, 23, tzinfo=utc)) == datetime.datetime(2026, 1, 1, 3, tzinfo=utc)
+
+
 def test_served_deployments_appear_with_their_schedule(stack):
-    now = datetime.datetime.now(datetime.UTC)
     with api(stack.served_url) as client:
         deps = {d.name: d for d in client.read_deployments()}
         assert DEPLOYMENTS <= deps.keys()
@@ -148,10 +162,15 @@ def test_served_deployments_appear_with_their_schedule(stack):
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"]))),
         )
-    starts = sorted(r.expected_start_time for r in scheduled)
+    starts = sorted(r.expected_start_time.astimezone(datetime.UTC) for r in scheduled)
     assert starts, "the cron deployment has no scheduled run"
-    nxt = starts[0]
-    assert now < nxt <= now + datetime.timedelta(days=1) and (nxt.hour, nxt.minute) == (3, 0)
+    # Every scheduled run is at 03:00:00 UTC, on consecutive days ...
+    assert all((t.hour, t.minute, t.second, t.microsecond) == (3, 0, 0, 0) for t in starts), starts
+    assert all(b - a == datetime.timedelta(days=1) for a, b in zip(starts, starts[1:], strict=False)), starts
+    # ... from the first 03:00 after the schedule was created; the day after that where the 03:00 in between had
+    # already passed when the scheduler ran, or its run had left the SCHEDULED state (the module ran across 03:00).
+    first = _next_3am_utc(stack.started)
+    assert starts[0] in (first, first + datetime.timedelta(days=1)), (stack.started, starts)
 
 
 def test_on_demand_run_with_ui_parameters_completes_with_artifacts(stack):
@@ -236,13 +255,22 @@ def test_process_worker_runs_a_triggered_run(stack):
 
 # ----------------------------------------------------------------------------- the UI, in a browser
 @pytest.fixture(scope="module")
-def browser():
-    from browser import chrome, ensure_chromium
+def chromium() -> tuple[str, str]:
+    """Debian's chromium + chromedriver, installed with apt if missing (bounded by browser.INSTALL_BOUND_S,
+    outside the test's own timeout: the test is marked func_only)."""
+    from browser import ensure_chromium
 
     found = ensure_chromium()
     if isinstance(found, str):
         pytest.skip(found)
-    driver = chrome(*found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def browser(chromium):
+    from browser import chrome
+
+    driver = chrome(*chromium)
     yield driver
     driver.quit()
 
@@ -269,7 +297,9 @@ def _open_tab(driver, name: str) -> None:
     tab.click()
 
 
-def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser):
+# func_only: the apt install of chromium (browser's fixture, bounded on its own) does not count against the test.
+@pytest.mark.timeout(600, func_only=True)
+def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser, tmp_path):
     from browser import screenshot_dir
 
     run = wait_final(stack.served_url, stack.runs["served"].id, RUN_TIMEOUT_S, stack.root / "serve.log")
@@ -278,7 +308,7 @@ def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser):
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
         )
     ui = stack.served_url.removesuffix("/api")
-    shots = screenshot_dir()
+    shots = screenshot_dir(tmp_path)
 
     # The run's page: name, state, deployment; its Task Runs tab lists the stages.
     browser.get(f"{ui}/runs/flow-run/{run.id}")
@@ -351,9 +381,23 @@ def _wait_for_images(driver, timeout_s: float = 30) -> list[int]:
 
 # ----------------------------------------------------------------------------- stopping serve
 def test_stopping_serve_leaves_the_deployments_active(stack):
+    import psutil
+
+    # The runs this serve process executes end first, so that no other test depends on running before this one.
+    for name in ("served", "cross_field"):
+        wait_final(stack.served_url, stack.runs[name].id, RUN_TIMEOUT_S, stack.root / "serve.log")
+    serve = psutil.Process(stack.serve.pid)
+    tree = [serve, *serve.children(recursive=True)]
+
     code = stop_process(stack.serve)
-    assert code is not None
+    log = (stack.root / "serve.log").read_text(errors="replace")
+    # SIGTERM is a clean stop: Prefect's runner shuts down gracefully and `omniflow serve` exits 0.
+    assert code == 0, log[-3000:]
+    assert "SIGTERM received, initiating graceful shutdown" in log, log[-3000:]
+    wait_gone(tree, timeout_s=60)  # the process and its children
+
     with api(stack.served_url) as client:
         deps = {d.name: d for d in client.read_deployments()}
-    assert not any(d.paused for d in deps.values())
-    assert all(s.active for s in deps["tiny-sd3-nightly"].schedules)
+    assert DEPLOYMENTS <= deps.keys()
+    assert not [d.name for d in deps.values() if d.paused]
+    assert deps["tiny-sd3-nightly"].schedules and all(s.active for s in deps["tiny-sd3-nightly"].schedules)

@@ -53,6 +53,36 @@ async def _child_flow_runs(flow_run_id) -> list:
         )
 
 
+async def _flow_run_tree(flow_run_id) -> list:
+    """`flow_run_id` and the ids of all its subflow runs, at any depth."""
+    ids, todo = [], [flow_run_id]
+    while todo:
+        current = todo.pop()
+        ids.append(current)
+        todo.extend(r.id for r in await _child_flow_runs(current))
+    return ids
+
+
+async def _log_messages(flow_run_ids: list) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async with get_client() as client:
+        logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=flow_run_ids)))
+    return [log.message for log in logs]
+
+
+def _wait_for_log_lines(flow_run_id, predicate, timeout_s: float = 60) -> list[str]:
+    """The run tree's log messages once `predicate(messages)` holds: a Ray worker sends its task's log lines
+    to the API in batches, so they may arrive a moment after the flow run ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        messages = _read(_log_messages(_read(_flow_run_tree(flow_run_id))))
+        if predicate(messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(1.0)
+
+
 async def _latest_task_state(name: str) -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
@@ -117,8 +147,9 @@ def test_transfer_queue_holds_no_rows_after_the_run(reference):
 def test_subflow_run_hits_the_cache_and_recovers_a_killed_actor(flows, reference, flow_overrides, tmp_path):
     """A second run, nested in a parent flow, whose training actor is SIGKILLed after the first checkpoint.
 
-    Its setup tasks come from the reference run's cache, the retried epoch recovers the actor from the
-    checkpoint, the parent gets the typed result, and the weights equal the fault-free run's bit for bit.
+    Its setup tasks come from the reference run's cache, epoch 1 recovers the actor (restarted by Ray with
+    the base weights) from the step-1 checkpoint, the parent gets the typed result, and the weights equal
+    the fault-free run's bit for bit.
     """
     import ray
     from prefect import flow
@@ -155,6 +186,22 @@ def test_subflow_run_hits_the_cache_and_recovers_a_killed_actor(flows, reference
     assert _read(_latest_task_state("load_tokenizer")) == "Cached"
     assert _read(_latest_task_state("prepare_dataset")) == "Cached"
     assert_same_weights(final_weights(ckpt), final_weights(reference[2]))
+
+    # The recovery path that ran: Ray restarted the killed actor once (base weights, version 0), and epoch 1
+    # (first try, or its retry if the kill hit one of its calls) reset it to the step-1 checkpoint.
+    from ray.util.state import list_actors
+
+    (actor,) = list_actors(
+        address=ray.get_runtime_context().gcs_address,  # this session's cluster, whatever else runs on the machine
+        filters=[("name", "=", f"omniflow-{result.run_id}-training-actor")],
+        detail=True,
+        limit=100,
+    )
+    assert actor.num_restarts == 1, actor
+    reset = "training actor reset to step 1 (its weights were at step 0)"
+    messages = _wait_for_log_lines(state.state_details.flow_run_id, lambda m: reset in m)
+    resets = [m for m in messages if m.startswith("training actor reset")]
+    assert resets == [reset], resets
 
 
 def test_asking_for_a_gpu_fails_fast_with_the_key(flows, flow_overrides, tmp_path):

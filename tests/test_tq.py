@@ -169,11 +169,30 @@ def test_config_section_becomes_tq_conf():
 # ------------------------------------------------------------------------------------- real TQ
 @pytest.mark.timeout(120)  # the first test on the cluster pays Ray + TQ start-up (~25 s on 2 cores)
 def test_init_attaches_to_running_controller(transfer_queue):
+    from ray.util.state import list_actors
+
     from omni_core.config.schema import TransferQueueConfig
 
+    def alive_controllers() -> list:
+        return list_actors(
+            address=ray.get_runtime_context().gcs_address,  # this session's cluster, whatever else runs on the machine
+            filters=[("name", "=", "TransferQueueController"), ("state", "=", "ALIVE")],
+            limit=100,
+        )
+
+    (before,) = alive_controllers()
     # The session already started TQ: a second init (another run on the cluster) joins it.
     assert init_transfer_queue(TransferQueueConfig()) is False
-    assert ray.get_actor("TransferQueueController", namespace="transfer_queue") is not None
+    # Still the one controller the session started (none replaced, none added), and it serves requests.
+    assert [(a.actor_id, a.class_name, a.ray_namespace) for a in alive_controllers()] == [
+        (before.actor_id, before.class_name, "transfer_queue")
+    ]
+    pid = partition_id("second-init", "train")
+    try:
+        put_prompts(pid, ["u"], global_step=3)
+        assert list_rows(pid) == {"u": {"is_prompt": True, "status": PENDING, "global_steps": 3}}
+    finally:
+        clear_partition(pid)
 
 
 @pytest.mark.timeout(90)
@@ -326,14 +345,35 @@ def test_sample_times_out_with_counts(transfer_queue, part):
     put_prompts(part, ["p", "r", "f"], global_step=0)
     set_prompt_status(part, ["r"], RUNNING)
     _write_group(part, "f", 1, 0)  # finished, but 1 of 2 rows
-    calls = []
-    buffer = ReplayBuffer(part, poll_interval=0.05, timeout_s=0.3, liveness_check=lambda: calls.append(1))
+    buffer = ReplayBuffer(part, poll_interval=0.05, timeout_s=0.3)
     start = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         buffer.sample(batch_size=1, global_step=3, group_size=2)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start >= 0.3  # it waited its timeout before giving up
     msg = str(err.value)
     assert "0 ready" in msg and "1 finished but missing" in msg and "1 pending" in msg and "1 running" in msg
     assert "global step 3" in msg and "rollout workers" in msg
-    assert len(calls) >= 2  # every poll asks whether the producers are alive
     assert set(list_rows(part)) >= {"p", "r", "f"}  # nothing consumed on failure
+
+
+class _WorkerGone(RuntimeError):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_every_poll_asks_whether_the_producers_are_alive(transfer_queue, part):
+    put_prompts(part, ["p"], global_step=0)  # never finished: sample keeps polling
+    calls = []
+
+    def liveness_check() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise _WorkerGone("the third poll finds the workers gone")
+
+    # The deadline is the buffer's own timeout (300 s): the third liveness check, not the clock, ends the wait.
+    buffer = ReplayBuffer(part, poll_interval=0.05, timeout_s=300, liveness_check=liveness_check)
+    with pytest.raises(_WorkerGone):
+        buffer.sample(batch_size=1, global_step=0, group_size=2)
+    assert len(calls) == 3
+    assert calls[2] - calls[1] >= 0.05  # a poll interval between polls
+    assert list_rows(part) == {"p": {"is_prompt": True, "status": PENDING, "global_steps": 0}}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 
-import pytest
 import torch
 
 from omni_core.tracking import Tracking, data_metrics, read_jsonl, timing_metrics
@@ -25,19 +24,46 @@ def test_timing_metrics_throughput():
     assert m["timing_s/gen"] == 1.0 and m["perf/throughput"] == 4.0  # 16 images / 4 s
 
 
-def test_console_file_and_tensorboard_backends(tmp_path):
-    pytest.importorskip("tensorboard")
-    stream = io.StringIO()
-    tracking = Tracking(["console", "file", "tensorboard"], tmp_path, total_steps=2, stream=stream)
-    tracking.log({"critic/rewards/mean": -0.5, "actor/pg_loss": 0.25, "bad": float("nan")}, step=1)
-    tracking.log({"critic/rewards/mean": -0.25}, step=2)
-    tracking.close()
-    assert "[##########..........] step 1/2 rewards/mean=-0.5 pg_loss=0.25" in stream.getvalue()
-    records = read_jsonl(tracking.jsonl_path)
-    assert records == [{"step": 1, "critic/rewards/mean": -0.5, "actor/pg_loss": 0.25}, {"step": 2, "critic/rewards/mean": -0.25}]
+STEP_1 = {"critic/rewards/mean": -0.5, "actor/pg_loss": 0.25, "bad": float("nan")}
+STEP_2 = {"critic/rewards/mean": -0.25}
 
+
+def _log_two_steps(backends: list[str], log_dir, stream=None) -> Tracking:
+    tracking = Tracking(backends, log_dir, total_steps=2, stream=stream)
+    tracking.log(STEP_1, step=1)
+    tracking.log(STEP_2, step=2)
+    tracking.close()
+    return tracking
+
+
+def test_console_backend_prints_a_progress_line_per_step_and_writes_no_file(tmp_path):
+    stream = io.StringIO()
+    _log_two_steps(["console"], tmp_path / "logs", stream)
+    # 1 of 2 steps: 10 of 20 bar cells; NaN ("bad") is dropped, values in %.4g.
+    assert stream.getvalue().splitlines() == [
+        "[##########..........] step 1/2 rewards/mean=-0.5 pg_loss=0.25",
+        "[####################] step 2/2 rewards/mean=-0.25",
+    ]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_file_backend_writes_one_jsonl_record_per_step_without_nan(tmp_path):
+    tracking = _log_two_steps(["file"], tmp_path)
+    assert tracking.jsonl_path == tmp_path / "metrics.jsonl"
+    assert read_jsonl(tracking.jsonl_path) == [
+        {"step": 1, "critic/rewards/mean": -0.5, "actor/pg_loss": 0.25},
+        {"step": 2, "critic/rewards/mean": -0.25},
+    ]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_tensorboard_backend_writes_scalars_readable_by_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    _log_two_steps(["tensorboard"], tmp_path)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [e.value for e in events.Scalars("critic/rewards/mean")] == [-0.5, -0.25]
+    assert sorted(events.Tags()["scalars"]) == ["actor/pg_loss", "critic/rewards/mean"]
+    assert [(e.step, e.value) for e in events.Scalars("critic/rewards/mean")] == [(1, -0.5), (2, -0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 0.25)]
+    assert not (tmp_path / "metrics.jsonl").exists()
