@@ -3,6 +3,9 @@
     python benchmarks/bench_validate.py                      # 7 runs per config -> benchmarks/results/validate.json
     python benchmarks/bench_validate.py --repeats 3 --out /tmp/v.json
 
+Run it from any folder but the repository root when comparing with other code through PYTHONPATH
+(`python -m` puts the current folder first on the path).
+
 Each run is `python -m omniflow.flows.cli validate <overrides>` as a subprocess (the installed
 `omniflow` script is the same entry point); its wall time is measured around the process, its peak
 RSS is the child's own `ru_maxrss` from `os.wait4`. Configs: the defaults, separate_async (which
@@ -90,6 +93,11 @@ def main() -> None:
         "repeats": args.repeats,
         "target": {"wall_s": TARGET_WALL_S, "peak_rss_mb": TARGET_RSS_MB},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        # the code measured: where `omni_core` resolves for the child processes (PYTHONPATH may point elsewhere)
+        "omni_core": subprocess.check_output(
+            [sys.executable, "-c", "import omni_core; print(omni_core.__file__)"], text=True
+        ).strip(),
+        "cwd": os.getcwd(),
         "load_avg_before": load_before,
         "results": results,
     }
