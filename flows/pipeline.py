@@ -23,13 +23,13 @@ from omniflow.flows.main_diffusion_v1 import TrainResult, main_diffusion_v1
 from omniflow.tasks.evaluate_policy import evaluate_policy
 from omniflow.tasks.export_model import export_model
 from omniflow.tasks.prepare_base_model import prepare_base_model
+from omniflow.tasks.publish_reports import publish_card
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from omni_core.config import OmniFlowConfig, resolve_config
 from omni_core.evaluation import evaluation_records
-from omni_core.reports import png_data_uri
+from omni_core.reports.cards import evaluation_card
 
 EVAL_DIR = "evaluation"
 EXPORT_DIR = "export"
@@ -87,17 +87,8 @@ def evaluate(
     out = Path(out_dir)
     before, grid_before = evaluate_policy(cfg, records, None, seed, samples_per_prompt, str(out / "before.png"), "before")
     after, grid_after = evaluate_policy(cfg, records, checkpoint, seed, samples_per_prompt, str(out / "after.png"), "after")
-    create_markdown_artifact(
-        key="omniflow-evaluation",
-        markdown=(
-            f"### Evaluation: mean reward {before:.6f} -> {after:.6f} ({after - before:+.6f})\n\n"
-            f"{len(records)} prompts x {samples_per_prompt} samples, seed {seed}; checkpoint `{checkpoint}`.\n\n"
-            f"| weights | mean reward |\n|---|---|\n| initial | {before:.6f} |\n| trained | {after:.6f} |\n\n"
-            f"Before:\n\n![before]({png_data_uri(grid_before)})\n\nAfter:\n\n![after]({png_data_uri(grid_after)})\n\n"
-            f"PNGs: `{grid_before}`, `{grid_after}`\n"
-        ),
-        description="Mean reward and samples before / after fine-tuning",
-    )
+    card = evaluation_card(before, after, grid_before, grid_after, len(records), samples_per_prompt, seed, checkpoint)
+    publish_card("omniflow-evaluation", card)
     return EvaluationResult(reward_before=before, reward_after=after, grid_before=grid_before, grid_after=grid_after)
 
 

@@ -9,31 +9,16 @@ log lines (its own and the rollout workers') go to the run's log as they happen.
 
 from __future__ import annotations
 
-from omniflow.tasks.publish_reports import publish_validation_grids
+from omniflow.tasks.publish_reports import publish_card, publish_validation_grids
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from omni_core.checkpoint import checkpoint_summary
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.records import EpochResult, RunInfo
+from omni_core.reports.cards import checkpoint_card, epoch_metrics_rows
 from omni_core.trainers import build_diffusion_trainer
-
-TABLE_COLUMNS = (
-    "training/global_step",
-    "critic/rewards/mean",
-    "critic/rewards/max",
-    "critic/rewards/min",
-    "critic/advantages/max",
-    "actor/pg_loss",
-    "actor/pg_clipfrac",
-    "actor/ppo_kl",
-    "actor/grad_norm",
-    "actor/lr",
-    "timing_s/step",
-    "perf/throughput",
-)
 
 
 @task(
@@ -67,22 +52,11 @@ def fit_epoch(
 
 def _publish(result: EpochResult) -> None:
     publish_validation_grids(result)
-    rows = [
-        {k.split("/")[-1] if k != "training/global_step" else "step": round(m.get(k, float("nan")), 6) for k in TABLE_COLUMNS}
-        for m in result.step_metrics
-    ]
-    if result.val_metrics:
-        rows.append({"step": result.global_step, **{k: round(v, 6) for k, v in result.val_metrics.items()}})
     create_table_artifact(
-        key="omniflow-epoch-metrics", table=rows, description=f"Metrics of epoch {result.epoch}, one row per step"
+        key="omniflow-epoch-metrics",
+        table=epoch_metrics_rows(result),
+        description=f"Metrics of epoch {result.epoch}, one row per step",
     )
-    if result.checkpoint:
-        s = checkpoint_summary(result.checkpoint)
-        create_markdown_artifact(
-            key="omniflow-checkpoint",
-            markdown=(
-                f"### Checkpoint of epoch {result.epoch}\n\n| | |\n|---|---|\n| path | `{s['path']}` |\n| step | {s['step']} |\n"
-                f"| size | {s['size_bytes'] / 1e6:.2f} MB ({s['num_files']} files) |\n| sha256 (manifest) | `{s['sha256']}` |\n"
-            ),
-            description=f"global_step_{s['step']}",
-        )
+    card = checkpoint_card(result)
+    if card is not None:
+        publish_card("omniflow-checkpoint", card)
