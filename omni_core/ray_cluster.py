@@ -35,7 +35,7 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
     # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    # Ray's own INFO lines (e.g. "Started a local Ray instance") stay off; its warnings show, but for the
+    # Ray's own INFO lines (e.g. "Started a local Ray instance") stay off. Its warnings show, except the
     # notice that it chose token auth (omni_core.quiet).
     drop_library_notices()
     if init.address:

@@ -3,8 +3,8 @@
 `init(train_records, val_records)` -> `_setup()` (dataloader, the training actor on Ray, checkpoint
 resume) + `on_init_end()` (the tokenizer stays with `prepare_dataset`, which checked the prompts
 against it); `init_agent_loop()` starts the rollout workers; `fit(agent_loop_manager)` runs every
-epoch through `fit_epoch(epoch)`, which is a
-function of (config, epoch, checkpoint): it can run on any Ray worker, fail, and be retried. It
+epoch through `fit_epoch(epoch)`, which is a function of (config, epoch, checkpoint): it can run on
+any Ray worker, fail, and be retried. It
 finds the run's actors by name, restores the controller state from the last checkpoint written
 before the failure (reloading the actor if its weights moved past it), clears stale TransferQueue
 rows and continues. One step (sync mode) follows DESIGN.md section 1:
