@@ -7,20 +7,14 @@ changed tokenizer file or another path makes it stale, nothing else does.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omniflow.tasks.cache_keys import key_of
 from prefect import task
 
 from omni_core.config.schema import ModelConfig
-
-
-def tokenizer_dir(model: ModelConfig) -> Path:
-    if model.tokenizer_path:
-        return Path(model.tokenizer_path).expanduser()
-    sub = Path(model.path).expanduser() / "tokenizer"
-    return sub if sub.is_dir() else Path(model.path).expanduser()
+from omni_core.models.tokenizer import load_tokenizer as load_model_tokenizer
+from omni_core.models.tokenizer import tokenizer_dir
 
 
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -30,12 +24,4 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 @task(name="load_tokenizer", cache_key_fn=_cache_key, persist_result=True, retries=1)
 def load_tokenizer(model: ModelConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    path = tokenizer_dir(model)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"actor_rollout_ref.model.path={model.path}: no tokenizer at {path}; build the tiny model with "
-            f"`omniflow make-tiny-model {model.path}` or point model.path at a diffusers pipeline folder"
-        )
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_model_tokenizer(model)
