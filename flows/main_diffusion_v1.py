@@ -4,8 +4,10 @@ The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
 
   1. validate_config      auto_set_device + validate_config + validate_attention_consistency
   2. init_transfer_queue  Ray (join `ray_kwargs.ray_init.address` or start a local cluster) + tq.init
-  3. build_trainer        get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config)
-  4. load_tokenizer, prepare_dataset   (cached across runs)
+  3. build_trainer        get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config); called after stage 4,
+                          since its run record carries the prompt-embeddings file
+  4. load_tokenizer, prepare_dataset, prepare_prompt_embeddings   (cached across runs; the text encoders
+                          embed every prompt once, so they never stay on a worker's device)
   5. init_trainer         trainer.init(): dataloader, training actor on Ray, checkpoint resume
   6. init_agent_loop      the rollout workers
   7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried
@@ -18,6 +20,7 @@ the flow starts). CLI: `python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml]
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import sys
@@ -31,6 +34,7 @@ from omniflow.tasks.init_trainer import init_trainer
 from omniflow.tasks.init_transfer_queue import init_transfer_queue
 from omniflow.tasks.load_tokenizer import load_tokenizer
 from omniflow.tasks.prepare_dataset import prepare_dataset
+from omniflow.tasks.prepare_prompt_embeddings import prepare_prompt_embeddings
 from omniflow.tasks.publish_reports import publish_reward_curve, publish_run_summary
 from omniflow.tasks.validate_config import validate_config
 from prefect import flow, runtime
@@ -125,9 +129,11 @@ def main_diffusion_v1(
         owns_ray = init_transfer_queue(cfg)
         trainer = None
         try:
-            trainer = build_trainer(cfg, run)
             tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
             train, val = prepare_dataset(cfg.data, tokenizer)
+            embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)
+            run = dataclasses.replace(run, prompt_embeddings=embeddings)
+            trainer = build_trainer(cfg, run)
             trainer = init_trainer(trainer, train, val)
             init_agent_loop(trainer)
             resume_from, start_step = trainer.resume_from, trainer.global_step

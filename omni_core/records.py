@@ -40,12 +40,19 @@ class WorkerNames:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """Identity of one run: its id (TQ partitions, actor names), Ray namespace and output folders."""
+    """Identity of one run: its id (TQ partitions, actor names), Ray namespace and output folders.
+
+    `prompt_embeddings` is the safetensors file of the run's prompt embeddings (every train and
+    validation prompt and negative prompt, encoded once by `prepare_prompt_embeddings`; read with
+    `omni_core.models.prompt_embeddings.PromptEmbeddings`), or None when the workers encode prompts
+    themselves.
+    """
 
     run_id: str
     namespace: str
     checkpoint_dir: str
     log_dir: str
+    prompt_embeddings: str | None = None
 
     @property
     def names(self) -> WorkerNames:

@@ -8,6 +8,7 @@ freezing of everything that is not trained (text encoders, VAE). The transformer
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -99,20 +100,31 @@ def freeze_non_trainable(pipe: DiffusionPipeline) -> None:
             module.eval()
 
 
+def text_components(pipeline_cls: type[DiffusionPipeline]) -> list[str]:
+    """The text-encoder and tokenizer arguments of a pipeline class (SD3: 3 + 3, FLUX: 2 + 2)."""
+    params = inspect.signature(pipeline_cls.__init__).parameters
+    return [name for name in params if name.startswith(("text_encoder", "tokenizer"))]
+
+
 def load_pipeline(
     path: str | Path,
     architecture: str | None = None,
     torch_dtype: torch.dtype = torch.float32,
+    text_encoders: bool = True,
 ) -> DiffusionPipeline:
     """Load the pipeline saved in ``path`` (local only) and freeze its text encoders and VAE.
 
     ``architecture`` (``"sd3"``, ``"flux"``, a pipeline class name, or None / ``"auto"`` to read
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given.
+    ``text_encoders=False`` leaves the text encoders and tokenizers out (None): for a policy whose
+    prompts come from precomputed embeddings (``omni_core.models.prompt_embeddings``).
     """
     path = Path(path).expanduser()
     name = check_pipeline_folder(path, architecture)
+    cls = SUPPORTED_PIPELINES[name]
+    skipped = {} if text_encoders else dict.fromkeys(text_components(cls))
     try:
-        pipe = SUPPORTED_PIPELINES[name].from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+        pipe = cls.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **skipped)
     except Exception as err:  # corrupt safetensors, bad configs, ...: one error type naming the path
         raise ModelLoadError(f"{path}: failed to load {name}: {type(err).__name__}: {err}") from err
     freeze_non_trainable(pipe)
