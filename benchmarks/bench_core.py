@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         path = build_tiny_pipeline(Path(tmp) / "tiny-sd3", "sd3", seed=0)
         config = bench_config(path)
-        actor = TrainingActor(config.model_dump(mode="json"), 2 + repeats, os.cpu_count() or 1)
+        actor = TrainingActor(config.model_dump(mode="json"), 2 + repeats, os.cpu_count() or 1, text_encoders=True)
         policy = actor.policy
         setup_s = time.perf_counter() - t0
         n_params = sum(p.numel() for p in policy.base_transformer.parameters())

@@ -32,7 +32,7 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
     params = SamplingParams.for_training(rollout)
     records = load_prompts(data.train_files if isinstance(data.train_files, str) else list(data.train_files))
     loader = PromptDataLoader(records, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-    actor = TrainingActor(config.model_dump(mode="json"), steps, os.cpu_count() or 1)
+    actor = TrainingActor(config.model_dump(mode="json"), steps, os.cpu_count() or 1, text_encoders=True)
     policy = actor.policy  # rollout and training share one model in-process (sync mode, staleness 0)
     rewards_fn = RewardManager(config.reward)
     estimator = get_adv_estimator(config.algorithm.adv_estimator)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from omniflow.flows.main_diffusion_v1 import TrainResult, main_diffusion_v1
+from omniflow.flows.runner import shutdown_ray
 from omniflow.tasks.evaluate_policy import evaluate_policy
 from omniflow.tasks.export_model import export_model
 from omniflow.tasks.prepare_base_model import prepare_base_model
@@ -28,7 +29,9 @@ from prefect import flow
 from pydantic import BaseModel, Field
 
 from omni_core.config import OmniFlowConfig, resolve_config
+from omni_core.device import auto_set_device
 from omni_core.evaluation import evaluation_records
+from omni_core.ray_cluster import connect_ray
 from omni_core.reports.cards import evaluation_card
 
 EVAL_DIR = "evaluation"
@@ -82,11 +85,16 @@ def evaluate(
         seed: Base seed of every sample's noise, shared by both evaluations.
         samples_per_prompt: Samples per validation prompt (grid columns).
     """
-    cfg = resolve_config(config, overrides, config_files)
+    cfg = auto_set_device(resolve_config(config, overrides, config_files))
     records = evaluation_records(cfg.data)
     out = Path(out_dir)
-    before, grid_before = evaluate_policy(cfg, records, None, seed, samples_per_prompt, str(out / "before.png"), "before")
-    after, grid_after = evaluate_policy(cfg, records, checkpoint, seed, samples_per_prompt, str(out / "after.png"), "after")
+    owns_ray = connect_ray(cfg)  # the evaluation runs where the model runs: a Ray task on the run's device
+    try:
+        before, grid_before = evaluate_policy(cfg, records, None, seed, samples_per_prompt, str(out / "before.png"), "before")
+        after, grid_after = evaluate_policy(cfg, records, checkpoint, seed, samples_per_prompt, str(out / "after.png"), "after")
+    finally:
+        if owns_ray:
+            shutdown_ray()
     card = evaluation_card(before, after, grid_before, grid_after, len(records), samples_per_prompt, seed, checkpoint)
     publish_card("omniflow-evaluation", card)
     return EvaluationResult(reward_before=before, reward_after=after, grid_before=grid_before, grid_after=grid_after)

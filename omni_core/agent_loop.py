@@ -16,7 +16,6 @@ from typing import Any
 import ray
 
 from omni_core.records import LogLine, WorkerNames
-from omni_core.resources import ROLLOUT_WORKER_CPUS
 from omni_core.rollout.request import RolloutRequest
 
 
@@ -31,20 +30,24 @@ class AgentLoopManager:
 
     @classmethod
     def create(
-        cls, config: dict[str, Any], names: WorkerNames, num_workers: int, num_threads: int, max_restarts: int = 3
+        cls,
+        config: dict[str, Any],
+        names: WorkerNames,
+        options: list[dict[str, Any]],
+        num_threads: int,
+        prompt_embeddings: str | None = None,
+        max_restarts: int = 3,
     ) -> AgentLoopManager:
-        """Start the rollout workers (from the flow process, so they outlive any one task)."""
+        """Start one rollout worker per entry of `options` (its Ray resources and placement; see
+        `omni_core.worker_pool.actor_options`), from the flow process, so they outlive any one task."""
         from omni_core.workers.rollout_worker import RolloutWorker  # diffusers: only where workers start
 
         remote = ray.remote(RolloutWorker)
         workers = [
-            remote.options(
-                name=names.rollout_worker(i),
-                namespace=names.namespace,
-                num_cpus=ROLLOUT_WORKER_CPUS,
-                max_restarts=max_restarts,
-            ).remote(config, i, num_threads)
-            for i in range(num_workers)
+            remote.options(name=names.rollout_worker(i), namespace=names.namespace, max_restarts=max_restarts, **opts).remote(
+                config, i, num_threads, prompt_embeddings
+            )
+            for i, opts in enumerate(options)
         ]
         ray.get([w.ping.remote() for w in workers], timeout=600)
         return cls(workers, names)
@@ -54,11 +57,11 @@ class AgentLoopManager:
         workers = [ray.get_actor(names.rollout_worker(i), namespace=names.namespace) for i in range(num_workers)]
         return cls(workers, names)
 
-    def generate_sequences(self, request: RolloutRequest) -> None:
-        """Split the request into contiguous parts, one per worker, and dispatch them (non-blocking)."""
-        for worker, part in zip(self.workers, request.split(len(self.workers)), strict=True):
-            if part.items:
-                self._inflight.append(worker.generate.remote(part))
+    def generate_sequences(self, request: RolloutRequest, chunk_size: int | None = None) -> None:
+        """Dispatch the request (non-blocking): one contiguous part per worker, or chunks of at most
+        `chunk_size` prompts dealt round-robin (`data.gen_batch_size` / `data.val_batch_size`)."""
+        for worker, calls in zip(self.workers, request.assign(len(self.workers), chunk_size), strict=True):
+            self._inflight.extend(worker.generate.remote(part) for part in calls)
 
     def check_alive(self) -> None:
         """Raise if a dispatched request failed (worker died or raised); collect finished results' logs."""

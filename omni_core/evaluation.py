@@ -4,11 +4,14 @@ The same base seed gives the same initial noise (and, with the validation noise 
 trajectory) for the initial and the trained weights, so the reward difference measures the weights
 alone. Sampling goes through the rollout's ``generate`` with the validation settings
 (``SamplingParams.for_validation``) and scoring through the training ``RewardManager``, so the numbers
-are the ones training optimised. No Prefect here: ``tasks/evaluate_policy.py`` wires it.
+are the ones training optimised. The policy is the rollout's copy (``rollout.dtype`` on ``trainer.device``);
+``evaluate_on_ray`` runs the evaluation as a Ray task with a rollout worker's resources, so it samples
+where the model runs (the GPU, not the flow process). No Prefect here: ``tasks/evaluate_policy.py`` wires it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +24,14 @@ from omni_core.config import OmniFlowConfig
 from omni_core.config.schema import DataConfig
 from omni_core.data.prompts import PromptRecord, load_prompts
 from omni_core.data_files import as_file_list
+from omni_core.models.placement import rollout_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rewards.manager import RewardManager
 from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
 
 MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors
+EVAL_TIMEOUT_S = 6 * 3600.0  # every wait is bounded (DESIGN.md section 7)
 
 
 @dataclass
@@ -63,8 +68,9 @@ def _as_records(prompts: Sequence[str | PromptRecord]) -> list[PromptRecord]:
 
 
 def load_policy(config: OmniFlowConfig, checkpoint: str | Path | None) -> FlowPolicy:
-    """The policy of ``actor_rollout_ref.model``, with ``<checkpoint>/actor/model.safetensors`` loaded if given."""
-    policy = FlowPolicy.from_model_config(config.actor_rollout_ref.model)
+    """The rollout copy of ``actor_rollout_ref.model`` (``trainer.device`` resolved, ``rollout.dtype``), with
+    ``<checkpoint>/actor/model.safetensors`` loaded if given. Text encoders stay: any prompt may be evaluated."""
+    policy = FlowPolicy.from_model_config(config.actor_rollout_ref.model, **rollout_policy_kwargs(config, None))
     if checkpoint is not None:
         # The file TrainingActor.save writes and TrainingActor.reset reads (full state, or the LoRA adapter).
         policy.load_trainable_state(read_tensors(Path(checkpoint) / ACTOR_DIR, MODEL_NAME))
@@ -109,3 +115,26 @@ def evaluate_policy(
     ok = scored.scores[~scored.failed]
     mean = float(ok.mean()) if ok.numel() else float("nan")
     return EvalReport(mean_reward=mean, rewards=scored.scores, images=traj.images, prompts=[r.prompt for r in records])
+
+
+def _evaluate_in_worker(config: OmniFlowConfig, records: list[PromptRecord], checkpoint, seed, samples_per_prompt, threads):
+    torch.set_num_threads(threads)  # Ray sets one thread per reserved CPU (DESIGN.md section 7)
+    return evaluate_policy(config, records, checkpoint, seed, samples_per_prompt)
+
+
+def evaluate_on_ray(
+    config: OmniFlowConfig,
+    prompts: Sequence[str | PromptRecord],
+    checkpoint: str | Path | None,
+    seed: int,
+    samples_per_prompt: int,
+    timeout_s: float = EVAL_TIMEOUT_S,
+) -> EvalReport:
+    """``evaluate_policy`` as a Ray task with a rollout worker's device share (Ray must be connected)."""
+    import ray
+
+    from omni_core.resources import evaluation_resources
+
+    remote = ray.remote(_evaluate_in_worker).options(**evaluation_resources(config))
+    args = (config, _as_records(prompts), None if checkpoint is None else str(checkpoint), seed, samples_per_prompt)
+    return ray.get(remote.remote(*args, os.cpu_count() or 1), timeout=timeout_s)

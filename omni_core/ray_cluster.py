@@ -2,6 +2,10 @@
 CPUs, check the cluster against the run's resource budget, start the TransferQueue (`start_run_cluster`,
 verl-omni's `tq.init`), and stop it all again (`close_run`, verl-omni's `finally: tq.close()`).
 
+`ray_kwargs.ray_init` reaches `ray.init` as verl passes it (`ray_init_kwargs`): every key for a local
+cluster, only `runtime_env` when joining one (validation refuses the cluster-shaping keys there); the
+workers' `runtime_env.env_vars` merge the user's with the ones OmniFlow passes, the user's winning.
+
 Ray leaves a task that asks for absent resources pending forever (DESIGN.md section 7), so the
 resource check runs before anything is submitted.
 """
@@ -12,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +29,52 @@ from omni_core.resources import run_resource_budget
 NAMESPACE = "omniflow"
 
 
+# Environment variables of this process that every Ray worker of a run gets (a Prefect API instead of one
+# temporary server per worker, offline hubs, TransferQueue's log level).
+PASSED_ENV_VARS = ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TQ_LOGGING_LEVEL")
+
+
+def worker_runtime_env(user_env: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run's Ray `runtime_env`: `ray_kwargs.ray_init.runtime_env` with OmniFlow's env vars merged in.
+
+    OmniFlow's `PASSED_ENV_VARS` (those set in this process) join the user's `env_vars`; on a clash the
+    user's value wins, and the user's other runtime_env keys (pip, working_dir, ...) pass through as given.
+    """
+    env = dict(user_env or {})
+    ours = {k: os.environ[k] for k in PASSED_ENV_VARS if k in os.environ}
+    env["env_vars"] = {**ours, **dict(env.get("env_vars") or {})}
+    return env
+
+
+def ray_init_kwargs(config: OmniFlowConfig, namespace: str = NAMESPACE) -> dict[str, Any]:
+    """The `ray.init` keywords of `ray_kwargs.ray_init`: all of them for a local cluster; with an address,
+    only those Ray takes when joining (validation refuses the cluster-shaping ones there)."""
+    init = config.ray_kwargs.ray_init
+    kwargs: dict[str, Any] = {
+        "namespace": namespace,
+        "runtime_env": worker_runtime_env(init.runtime_env),
+        "log_to_driver": True,
+        "logging_level": logging.WARNING,
+    }
+    if init.address:
+        return {"address": init.address, **kwargs}
+    local = {
+        "num_cpus": init.num_cpus,
+        "num_gpus": init.num_gpus,
+        "resources": dict(init.resources) if init.resources is not None else None,
+        "object_store_memory": init.object_store_memory,
+        "_temp_dir": init.temp_dir,
+        "include_dashboard": init.include_dashboard,
+    }
+    return {**{k: v for k, v in local.items() if v is not None}, **kwargs}
+
+
 def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     """Initialise Ray for this process unless it already is; True when this call started a cluster."""
     if ray.is_initialized():
         return False
     init = config.ray_kwargs.ray_init
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TransferQueue warns about its thread count on every call
-    passed = ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TQ_LOGGING_LEVEL")
-    env = {"env_vars": {k: os.environ[k] for k in passed if k in os.environ}}
     # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
     # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
@@ -41,16 +84,7 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     if init.address:
         # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-        ray.init(address=init.address, namespace=namespace, runtime_env=env, log_to_driver=True, logging_level=logging.WARNING)
-    else:
-        ray.init(
-            num_cpus=init.num_cpus,
-            include_dashboard=init.include_dashboard,
-            namespace=namespace,
-            runtime_env=env,
-            log_to_driver=True,
-            logging_level=logging.WARNING,
-        )
+    ray.init(**ray_init_kwargs(config, namespace))
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     return init.address is None

@@ -11,6 +11,7 @@ Light on purpose (no torch, no Ray): `omniflow validate` imports it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,3 +54,72 @@ def run_resource_budget(config: Any) -> ResourceBudget:
     }
     gpus = trainer.n_gpus_per_node * trainer.nnodes if trainer.device == "cuda" else 0
     return ResourceBudget(cpus=cpus, gpus=gpus)
+
+
+# ------------------------------------------------------------------------------------ placement plan
+@dataclass(frozen=True)
+class ActorSlot:
+    """Where one actor runs: its bundle of the run's placement group and what it reserves there."""
+
+    bundle: int
+    num_cpus: float
+    num_gpus: float  # a fraction when rollout and training share one device (sync mode, colocated)
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """The run's Ray placement group (one bundle per training rank, PACK) and each actor's slot in it.
+
+    In sync mode the rollout workers share the training devices as verl's colocated workers do: rollout
+    worker ``j`` sits in bundle ``j % ranks``, and the processes of a bundle split its device equally.
+    """
+
+    device: str
+    bundles: tuple[dict[str, float], ...]
+    training: tuple[ActorSlot, ...]
+    rollout: tuple[ActorSlot, ...]
+    strategy: str = "PACK"
+
+    @property
+    def accelerator_resource(self) -> str | None:
+        """Ray's resource name for the run's device (`GPU` for cuda, `NPU` for Ascend), None on cpu."""
+        return ACCELERATOR_RESOURCES.get(self.device)
+
+
+# Ray's resource name of each accelerator (Ray schedules NPUs as the custom resource "NPU").
+ACCELERATOR_RESOURCES = {"cuda": "GPU", "npu": "NPU"}
+
+
+def resource_plan(config: Any) -> ResourcePlan:
+    """The placement of the training ranks and rollout workers of `config` (its `trainer.device` resolved)."""
+    trainer = config.trainer
+    ranks = trainer.n_gpus_per_node * trainer.nnodes
+    workers = config.actor_rollout_ref.rollout.agent.num_workers
+    device = trainer.device
+    accelerator = ACCELERATOR_RESOURCES.get(device)
+    per_bundle = [1 + sum(1 for j in range(workers) if j % ranks == b) for b in range(ranks)]
+
+    def share(bundle: int) -> float:
+        # Ray counts resources in units of 1e-4: round down so that a bundle's shares never exceed 1.
+        return math.floor(10_000 / per_bundle[bundle]) / 10_000 if accelerator else 0.0
+
+    training = tuple(ActorSlot(b, TRAINING_ACTOR_CPUS, share(b)) for b in range(ranks))
+    rollout = tuple(ActorSlot(j % ranks, ROLLOUT_WORKER_CPUS, share(j % ranks)) for j in range(workers))
+    bundles = []
+    for b in range(ranks):
+        cpus = sum(s.num_cpus for s in (*training, *rollout) if s.bundle == b)
+        bundle: dict[str, float] = {"CPU": float(cpus)}
+        if accelerator:
+            bundle[accelerator] = 1.0
+        bundles.append(bundle)
+    return ResourcePlan(device=device, bundles=tuple(bundles), training=training, rollout=rollout)
+
+
+def evaluation_resources(config: Any) -> dict[str, Any]:
+    """Ray options of an evaluation task: one CPU and a whole device of `trainer.device` (none on cpu)."""
+    options: dict[str, Any] = {"num_cpus": ROLLOUT_WORKER_CPUS}
+    if config.trainer.device == "cuda":
+        options["num_gpus"] = 1
+    elif config.trainer.device in ACCELERATOR_RESOURCES:
+        options["resources"] = {ACCELERATOR_RESOURCES[config.trainer.device]: 1}
+    return options

@@ -2,7 +2,9 @@
 
 Backends: `console` (one line per step with a progress bar, to stdout or to a line sink such as the
 Prefect run's log), `file` (JSONL, one record per step) and `tensorboard` (torch's SummaryWriter). Names follow verl-omni (`critic/rewards/mean`,
-`actor/pg_loss`, `timing_s/gen`, `perf/throughput`, ...).
+`actor/pg_loss`, `timing_s/gen`, `perf/throughput`, ...). Validation images (`trainer.log_val_generations`)
+go to the same backends through `Tracking.log_images`: PNG files plus a JSONL index, TensorBoard images
+with their captions, and a console line that says where they went.
 """
 
 from __future__ import annotations
@@ -94,6 +96,16 @@ class Tracking:
     def jsonl_path(self) -> Path:
         return self.log_dir / "metrics.jsonl"
 
+    @property
+    def images_dir(self) -> Path:
+        """Where the `file` backend writes validation images: `<log_dir>/val_generations/step_<N>_<i>.png`."""
+        return self.log_dir / "val_generations"
+
+    @property
+    def images_jsonl_path(self) -> Path:
+        """The `file` backend's index of validation images: one row per `log_images` call."""
+        return self.log_dir / "val_generations.jsonl"
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         if "console" in self.backends:
@@ -109,6 +121,50 @@ class Tracking:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+
+    def log_images(self, step: int, images: torch.Tensor, captions: Sequence[str]) -> None:
+        """Validation images (uint8 `[N, 3, H, W]`, one caption each) to every backend of `trainer.logger`.
+
+        file: `val_generations/step_<step>_<i>.png` next to metrics.jsonl and a row
+        `{"step", "images": [{"path", "caption"}]}` (paths relative to the log folder) in
+        val_generations.jsonl; tensorboard: image `val/generations/<i>` with its caption as the text
+        `val/generations/<i>/caption`; console: one line saying how many went where.
+        """
+        if images.ndim != 4 or images.shape[1] != 3 or images.dtype != torch.uint8:
+            raise ValueError(f"log_images takes uint8 images [N, 3, H, W], got {images.dtype} {tuple(images.shape)}")
+        if len(captions) != images.shape[0]:
+            raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
+        if images.shape[0] == 0:
+            return
+        images = images.detach().cpu()
+        where = []
+        if "file" in self.backends:
+            from PIL import Image
+
+            self.images_dir.mkdir(parents=True, exist_ok=True)
+            entries = []
+            for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+                path = self.images_dir / f"step_{step}_{i}.png"
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
+                entries.append({"path": path.relative_to(self.log_dir).as_posix(), "caption": caption})
+            with self.images_jsonl_path.open("a") as f:
+                f.write(json.dumps({"step": step, "images": entries}) + "\n")
+            where.append(str(self.images_dir))
+        if self._tb is not None:
+            for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+                self._tb.add_image(f"val/generations/{i}", image, step, dataformats="CHW")
+                self._tb.add_text(f"val/generations/{i}/caption", caption, step)
+            self._tb.flush()
+            where.append(f"tensorboard {self.log_dir / 'tensorboard'} (val/generations/*)")
+        if "console" in self.backends:
+            line = f"step {step}: {images.shape[0]} validation image(s) -> " + (
+                "; ".join(where) if where else "not stored (add file or tensorboard to trainer.logger)"
+            )
+            if self.console_sink is not None:
+                self.console_sink(line)
+            else:
+                self.stream.write(line + "\n")
+                self.stream.flush()
 
     def _console_line(self, m: Mapping[str, float], step: int) -> str:
         width = 20

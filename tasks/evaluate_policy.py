@@ -1,5 +1,6 @@
 """Pipeline stage 3 — `evaluate_policy`: sample and score the validation prompts with one set of weights
-(verl-omni's `_validate()` on a loaded checkpoint, outside the training run)."""
+(verl-omni's `_validate()` on a loaded checkpoint, outside the training run), as a Ray task on the run's
+device (the `evaluate` flow connects Ray)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
-from omni_core.evaluation import evaluate_policy as run_evaluation
+from omni_core.evaluation import evaluate_on_ray
 from omni_core.reports import save_image_grid
 
 
@@ -25,7 +26,7 @@ def evaluate_policy(
     label: str,
 ) -> tuple[float, str]:
     """(mean reward, grid PNG path): rows of the grid are prompts, columns their samples."""
-    report = run_evaluation(config, records, checkpoint, seed, samples_per_prompt)
+    report = evaluate_on_ray(config, records, checkpoint, seed, samples_per_prompt)
     grid = save_image_grid(report.images, Path(grid_path), ncols=samples_per_prompt)
     print(f"{label}: mean reward {report.mean_reward:.6f} over {report.rewards.numel()} samples -> {grid}")
     return report.mean_reward, str(grid)

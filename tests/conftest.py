@@ -43,8 +43,9 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        # The dashboard runs so that Ray's state API (actor and task names) can be checked.
-        ray.init(num_cpus=16, include_dashboard=True, namespace=RAY_TEST_NAMESPACE, log_to_driver=True)
+        # The dashboard runs so that Ray's state API (actor and task names) can be checked. Two logical GPUs
+        # let the placement tests check GPU requests and placement-group bundles on this CPU machine.
+        ray.init(num_cpus=16, num_gpus=2, include_dashboard=True, namespace=RAY_TEST_NAMESPACE, log_to_driver=True)
     yield ray
     ray.shutdown()
 

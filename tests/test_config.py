@@ -10,11 +10,13 @@ from pydantic import BaseModel, ValidationError
 
 from omni_core.config import ConfigError, OmniFlowConfig, load_config, parse_value, resolve_config, to_yaml, with_updates
 from omni_core.config.defaults_file import DEFAULTS_PATH, flatten, read_comments
+from omni_core.config.loader import config_keys
 
 
 def _schema_leaves(cls: type[BaseModel] = OmniFlowConfig, prefix: str = "") -> dict[str, object]:
+    """Leaf key paths as a user writes them (a field's alias, e.g. ray_init's `_temp_dir`) -> field info."""
     leaves = {}
-    for name, info in cls.model_fields.items():
+    for name, info in config_keys(cls).items():
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel) and prefix + name != "reward.reward_functions":
             leaves.update(_schema_leaves(ann, f"{prefix}{name}."))
@@ -85,8 +87,26 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     ),
     "ray_kwargs.ray_init.num_cpus": (
         16,
-        "Logical CPUs of a local cluster; must exceed what TransferQueue, the training actor and the rollout workers "
-        "reserve. verl-omni: null; OmniFlow: 16 (more than the cores, see DESIGN.md section 7).",
+        "Logical CPUs of a local cluster (unused when joining by address); must exceed what TransferQueue, the training "
+        "actor and the rollout workers reserve. verl-omni: null; OmniFlow: 16 (more than the cores, see DESIGN.md section 7).",
+    ),
+    # verl's spelling fp32 in the YAML; the config keeps the torch name.
+    "actor_rollout_ref.actor.fsdp_config.dtype": (
+        "float32",
+        "Compute dtype of the training forward / backward (torch autocast), same spellings; fp16 trains with a gradient "
+        "scaler. verl-omni: bfloat16; OmniFlow: fp32, so the tiny CPU main job runs without autocast and the first "
+        "on-policy ratio is exactly 1.",
+    ),
+    "actor_rollout_ref.rollout.calculate_log_probs": (
+        True,
+        "Keep the rollout's per-step log-probs. verl-omni: false; OmniFlow: true, as they cost nothing extra and give the "
+        "per-step drift metrics training/rollout_probs_diff_max|mean; false skips storing them. "
+        "algorithm.rollout_correction.bypass_mode needs true.",
+    ),
+    "trainer.log_val_generations": (
+        0,
+        "Validation images sent to the trackers at each validation (the first prompts, sample 0 of each); 0 sends none. "
+        "Same default as verl-omni.",
     ),
 }
 

@@ -233,3 +233,23 @@ def test_from_model_config_and_attention_backend_errors(tiny_flux_dir):
     assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
     with pytest.raises(ValueError, match="attn_backend='no_such_kernel'"):
         FlowPolicy(tiny_flux_dir, attn_backend="no_such_kernel")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_sd3_dir", "tiny_flux_dir"])
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gradient_checkpointing_gives_the_same_gradients_on_every_architecture(fixture, lora_rank, request, one_torch_thread):
+    """`model.enable_gradient_checkpointing` recomputes activations in the backward: same gradients, full or LoRA."""
+    path = request.getfixturevalue(fixture)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the same LoRA init both times
+        policy = FlowPolicy(path, lora_rank=lora_rank, enable_gradient_checkpointing=checkpointing)
+        assert policy.base_transformer.gradient_checkpointing is checkpointing
+        policy.transformer.train()
+        latents, t, cond = _velocity_inputs(policy, batch=2)
+        policy.velocity(latents, t, cond).square().mean().backward()
+        grads.append({n: p.grad for n, p in policy.named_trainable_parameters().items()})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads[1].values())
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
+import pytest
 import torch
+from PIL import Image
 
 from omni_core.tracking import Tracking, data_metrics, read_jsonl, timing_metrics
 
@@ -67,3 +70,75 @@ def test_tensorboard_backend_writes_scalars_readable_by_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("critic/rewards/mean")] == [(1, -0.5), (2, -0.25)]
     assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 0.25)]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------ validation images
+def _two_images() -> tuple[torch.Tensor, list[str]]:
+    """Two 8x6 uint8 images with known pixels: a red-to-black ramp and a solid colour."""
+    ramp = torch.zeros(3, 8, 6, dtype=torch.uint8)
+    ramp[0] = torch.arange(8, dtype=torch.uint8).mul(30).unsqueeze(1).expand(8, 6)
+    solid = torch.tensor([10, 200, 40], dtype=torch.uint8).view(3, 1, 1).expand(3, 8, 6).clone()
+    return torch.stack([ramp, solid]), ["a red ramp", "a green square"]
+
+
+def test_file_backend_writes_pngs_and_an_index_of_paths_and_captions(tmp_path):
+    images, captions = _two_images()
+    tracking = Tracking(["file"], tmp_path, total_steps=4)
+    tracking.log_images(3, images, captions)
+    tracking.close()
+    assert sorted(p.name for p in (tmp_path / "val_generations").iterdir()) == ["step_3_0.png", "step_3_1.png"]
+    for i in range(2):  # PNG is lossless: the pixels come back exactly
+        back = np.asarray(Image.open(tmp_path / "val_generations" / f"step_3_{i}.png"))
+        assert back.shape == (8, 6, 3) and (back == images[i].permute(1, 2, 0).numpy()).all()
+    assert read_jsonl(tmp_path / "val_generations.jsonl") == [
+        {
+            "step": 3,
+            "images": [
+                {"path": "val_generations/step_3_0.png", "caption": "a red ramp"},
+                {"path": "val_generations/step_3_1.png", "caption": "a green square"},
+            ],
+        }
+    ]
+    assert not (tmp_path / "metrics.jsonl").exists()  # the metrics file stays numbers only
+
+
+def test_tensorboard_backend_writes_images_and_captions_readable_by_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images, captions = _two_images()
+    tracking = Tracking(["tensorboard"], tmp_path, total_steps=4)
+    tracking.log_images(2, images, captions)
+    tracking.log_images(4, images[:1], captions[:1])
+    tracking.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    assert sorted(events.Tags()["images"]) == ["val/generations/0", "val/generations/1"]
+    first = events.Images("val/generations/0")
+    assert [(e.step, e.width, e.height) for e in first] == [(2, 6, 8), (4, 6, 8)]
+    decoded = np.asarray(Image.open(io.BytesIO(events.Images("val/generations/1")[0].encoded_image_string)).convert("RGB"))
+    assert (decoded == images[1].permute(1, 2, 0).numpy()).all()
+    text_tags = [t for t in events.Tags()["tensors"] if t.startswith("val/generations/1/caption")]
+    assert len(text_tags) == 1
+    caption = events.Tensors(text_tags[0])[0].tensor_proto.string_val[0].decode()
+    assert caption == "a green square"
+    assert not (tmp_path / "val_generations").exists()
+
+
+def test_console_backend_says_where_the_images_went(tmp_path):
+    images, captions = _two_images()
+    lines: list[str] = []
+    Tracking(["console"], tmp_path / "a", total_steps=4, console_sink=lines.append).log_images(1, images, captions)
+    Tracking(["console", "file"], tmp_path / "b", total_steps=4, console_sink=lines.append).log_images(1, images, captions)
+    assert lines == [
+        "step 1: 2 validation image(s) -> not stored (add file or tensorboard to trainer.logger)",
+        f"step 1: 2 validation image(s) -> {tmp_path / 'b' / 'val_generations'}",
+    ]
+
+
+def test_log_images_refuses_what_is_not_uint8_chw_with_one_caption_each(tmp_path):
+    tracking = Tracking(["file"], tmp_path, total_steps=1)
+    images, captions = _two_images()
+    with pytest.raises(ValueError, match=r"uint8 images \[N, 3, H, W\]"):
+        tracking.log_images(1, images.float(), captions)
+    with pytest.raises(ValueError, match="2 images but 1 captions"):
+        tracking.log_images(1, images, captions[:1])

@@ -37,7 +37,9 @@ def test_lora_kl_is_zero_at_init_and_positive_after_an_update(tiny_sd3_dir, one_
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.1",
     ]
-    actor = TrainingActor(load_config(overrides=overrides).model_dump(mode="json"), total_training_steps=4, num_threads=1)
+    actor = TrainingActor(
+        load_config(overrides=overrides).model_dump(mode="json"), total_training_steps=4, num_threads=1, text_encoders=True
+    )
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
     first = actor.train_on(_rollout(actor, 1), advantages, 1)
     # LoRA's B starts at zero: the policy is the reference (adapters disabled) -> KL exactly 0, ratio exactly 1.
@@ -50,7 +52,7 @@ def test_lora_kl_is_zero_at_init_and_positive_after_an_update(tiny_sd3_dir, one_
 
 def test_save_and_reset_restore_the_exact_weights(tiny_sd3_dir, one_torch_thread, tmp_path):
     cfg = load_config(overrides=[*SMALL, f"actor_rollout_ref.model.path={tiny_sd3_dir}"]).model_dump(mode="json")
-    actor = TrainingActor(cfg, total_training_steps=4, num_threads=1)
+    actor = TrainingActor(cfg, total_training_steps=4, num_threads=1, text_encoders=True)
     actor.train_on(_rollout(actor, 1), torch.linspace(-1, 1, 8), 1)
     saved = actor.get_weights()
     actor.save(str(tmp_path))

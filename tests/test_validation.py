@@ -18,7 +18,21 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["trainer.lr=1e-4"], "trainer.lr", "actor_rollout_ref.actor.optim.lr"),
     (["actor_rollout_ref.rollout.nn=4"], "actor_rollout_ref.rollout.nn", "did you mean actor_rollout_ref.rollout.n"),
     (["foo.bar=1"], "foo", "unknown key; valid keys here"),
-    (["actor_rollout_ref.actor.fsdp_config.param_offload=true"], "actor_rollout_ref.actor.fsdp_config", "not supported"),
+    # verl's fsdp_config: the precision keys are OmniFlow's; any other key gets the FSDP reason, not "unknown key"
+    (
+        ["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0"],
+        "actor_rollout_ref.actor.fsdp_config.wrap_policy",
+        "takes only model_dtype, dtype",
+    ),
+    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], "actor_rollout_ref.actor.fsdp_config.fsdp_size", "strategy=torch"),
+    (["actor_rollout_ref.ref.fsdp_config.param_offload=true"], "actor_rollout_ref.ref.fsdp_config", "FSDP"),
+    (["actor_rollout_ref.actor.fsdp_config.model_dtype=int8"], "actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16"),
+    (["ray_kwargs.ray_init.namespace=x"], "ray_kwargs.ray_init.namespace", "accepts address, num_cpus, num_gpus"),
+    (
+        ["reward.reward_functions={ocr: {name: jpeg_compressibility, server_url: 'http://x'}}"],
+        "reward.reward_functions.ocr.server_url",
+        "keyword arguments",
+    ),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM"),
     (["actor_rollout_ref.rollout.name=vllm_omni"], "actor_rollout_ref.rollout.name", "rollout.name=diffusers"),
     (["actor_rollout_ref.actor.strategy=fsdp2"], "actor_rollout_ref.actor.strategy", "strategy=torch"),
@@ -88,7 +102,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
             "trainer.v1.sampler.drop_incomplete_groups=true",
         ],
         "trainer.v1.sampler.drop_incomplete_groups",
-        "only with trainer.v1.trainer_mode=sync",
+        "async issue",
     ),
     (
         ["actor_rollout_ref.rollout.algo.sde_window_size=10"],
@@ -117,7 +131,40 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "at least 2",
     ),
     (["trainer.n_gpus_per_node=4"], "trainer.n_gpus_per_node", "this machine has 2"),
-    (["trainer.nnodes=2"], "trainer.nnodes", "ray_kwargs.ray_init.address"),
+    (["trainer.nnodes=2"], "trainer.nnodes", "one training rank per run"),
+    # keys at their only implemented value (REFUSED_WHEN_NOT_DEFAULT); tests/test_config_keys.py covers each
+    (
+        ["actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "CPU offload",
+    ),
+    (
+        ["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+        "sequence parallelism",
+    ),
+    (["actor_rollout_ref.rollout.nnodes=1"], "actor_rollout_ref.rollout.nnodes", "standalone rollout pool"),
+    (["transfer_queue.enable=false"], "transfer_queue.enable", "always moves rollouts through the TransferQueue"),
+    (["reward.num_workers=1"], "reward.num_workers", "streaming reward"),
+    (["data.truncation=left"], "data.truncation", "only error is implemented"),
+    (["trainer.v1.sampler.max_off_policy_threshold=1"], "trainer.v1.sampler.max_off_policy_threshold", "async issue"),
+    # precision and ray_init combinations
+    (
+        ["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"],
+        "actor_rollout_ref.actor.fsdp_config.model_dtype",
+        "only with LoRA",
+    ),
+    (["ray_kwargs.ray_init.address=auto", "ray_kwargs.ray_init.num_gpus=1"], "ray_kwargs.ray_init.num_gpus", "joins an existing"),
+    (
+        ["ray_kwargs.ray_init.address=auto", "ray_kwargs.ray_init._temp_dir=/tmp/ray-x"],
+        "ray_kwargs.ray_init._temp_dir",
+        "joins an existing",
+    ),
+    (
+        ["ray_kwargs.ray_init.runtime_env={env_vars: {NCCL_DEBUG: 1}}"],
+        "ray_kwargs.ray_init.runtime_env.env_vars",
+        "must map names to strings",
+    ),
     (["ray_kwargs.ray_init.num_cpus=2"], "ray_kwargs.ray_init.num_cpus", "too few logical CPUs"),
     (["trainer.experiment_name=../../etc"], "trainer.experiment_name", "plain folder name"),
     (["trainer.project_name=/abs/path"], "trainer.project_name", "plain folder name"),
@@ -125,7 +172,11 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/no/such/ckpt"], "trainer.resume_from_path", "does not exist"),
     (["trainer.use_v1=false"], "trainer.use_v1", "only the v1"),
     (["trainer.v1.trainer_mode=turbo"], "trainer.v1.trainer_mode", "available: separate_async, sync"),
-    (["algorithm.rollout_correction.bypass_mode=true"], "algorithm.rollout_correction.bypass_mode", "calculate_log_probs=true"),
+    (
+        ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+        "algorithm.rollout_correction.bypass_mode",
+        "calculate_log_probs=true",
+    ),
     (["data.train_files=/no/such/prompts.parquet"], "data.train_files", "not found"),
     (["actor_rollout_ref.model.lora_adapter_path=/x"], "actor_rollout_ref.model.lora_adapter_path", "lora_rank > 0"),
     (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path", "omniflow make-tiny-model"),
@@ -174,8 +225,11 @@ def _errors_of(overrides: list[str], model: str) -> ConfigError:
 
 def _also_reported(overrides: list[str]) -> set[str]:
     """Keys a catalogued config is rightly rejected at besides its own: separate_async is checked in full,
-    and then refused as a whole because it is not implemented yet."""
-    return {"trainer.v1.trainer_mode"} if "trainer.v1.trainer_mode=separate_async" in overrides else set()
+    and then refused as a whole because it is not implemented yet, as is its standalone rollout pool."""
+    also = {"trainer.v1.trainer_mode"} if "trainer.v1.trainer_mode=separate_async" in overrides else set()
+    if "actor_rollout_ref.rollout.nnodes=1" in overrides:
+        also.add("actor_rollout_ref.rollout.nnodes")
+    return also
 
 
 @pytest.mark.parametrize("overrides, key, fragment", BAD_CONFIGS, ids=[" ".join(c[0])[:60] for c in BAD_CONFIGS])

@@ -110,6 +110,70 @@ def test_gpus_in_the_budget_come_from_the_trainer_keys():
         check_cluster_devices(cfg, {"CPU": 64.0, "GPU": 4.0})
 
 
+def test_a_local_cluster_that_declares_too_few_gpus_is_a_config_problem(tiny_sd3_dir):
+    one_gpu = {"cuda": 1, "npu": 0, "cpu": 2}
+    base = [f"actor_rollout_ref.model.path={tiny_sd3_dir}", "trainer.device=cuda"]
+
+    def problems(*overrides: str) -> dict[str, str]:
+        return {p.key: str(p) for p in config_problems(load_config(overrides=[*base, *overrides]), one_gpu)}
+
+    assert problems() == {} and problems("ray_kwargs.ray_init.num_gpus=1") == {}
+    found = problems("ray_kwargs.ray_init.num_gpus=0")
+    assert list(found) == ["ray_kwargs.ray_init.num_gpus"] and "needs 1" in found["ray_kwargs.ray_init.num_gpus"]
+    # Joining a cluster by address: Ray refuses num_gpus there, so validation names it first.
+    joined = problems("ray_kwargs.ray_init.address=auto", "ray_kwargs.ray_init.num_gpus=1")
+    assert list(joined) == ["ray_kwargs.ray_init.num_gpus"] and "joins an existing" in joined["ray_kwargs.ray_init.num_gpus"]
+
+
+# ------------------------------------------------------------------------------------ ray.init arguments
+def test_ray_init_arguments_reach_ray_init_and_env_vars_merge_with_the_users_winning(monkeypatch):
+    from omni_core.ray_cluster import NAMESPACE, PASSED_ENV_VARS, ray_init_kwargs
+
+    for name in PASSED_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    monkeypatch.setenv("TQ_LOGGING_LEVEL", "ERROR")
+    local = load_config(
+        overrides=[
+            "ray_kwargs.ray_init.num_gpus=2",
+            "ray_kwargs.ray_init.resources={accel: 4}",
+            "ray_kwargs.ray_init.object_store_memory=100000000",
+            "ray_kwargs.ray_init._temp_dir=/tmp/omniflow-ray",
+            "ray_kwargs.ray_init.runtime_env={env_vars: {TQ_LOGGING_LEVEL: DEBUG, MINE: '1'}, working_dir: /src}",
+        ]
+    )
+    kwargs = ray_init_kwargs(local)
+    assert {k: kwargs[k] for k in ("num_cpus", "num_gpus", "resources", "object_store_memory", "_temp_dir")} == {
+        "num_cpus": 16,
+        "num_gpus": 2,
+        "resources": {"accel": 4.0},
+        "object_store_memory": 100000000,
+        "_temp_dir": "/tmp/omniflow-ray",
+    }
+    assert kwargs["include_dashboard"] is False and kwargs["namespace"] == NAMESPACE and "address" not in kwargs
+    # OmniFlow's PREFECT_API_URL joins the user's env vars; the user's TQ_LOGGING_LEVEL wins over OmniFlow's.
+    assert kwargs["runtime_env"] == {
+        "env_vars": {"PREFECT_API_URL": "http://127.0.0.1:4200/api", "TQ_LOGGING_LEVEL": "DEBUG", "MINE": "1"},
+        "working_dir": "/src",
+    }
+    assert "PREFECT_API_URL" in PASSED_ENV_VARS and "TQ_LOGGING_LEVEL" in PASSED_ENV_VARS
+    # Unset keys stay out of ray.init (Ray's own defaults apply); joining by address passes what Ray takes there.
+    assert "num_gpus" not in ray_init_kwargs(load_config())
+    joined = ray_init_kwargs(load_config(overrides=["ray_kwargs.ray_init.address=auto"]))
+    assert set(joined) == {"address", "namespace", "runtime_env", "log_to_driver", "logging_level"}
+    assert joined["runtime_env"]["env_vars"]["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
+
+
+def test_unknown_ray_init_keys_name_the_accepted_ones():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["ray_kwargs.ray_init.log_to_driver=false"])
+    assert err.value.keys == ["ray_kwargs.ray_init.log_to_driver"]
+    assert (
+        "accepts address, num_cpus, num_gpus, resources, object_store_memory, _temp_dir, runtime_env, include_dashboard"
+        in str(err.value)
+    )
+
+
 # ------------------------------------------------------------------------------------ rule groups
 def test_reward_rules_name_the_entry_and_the_fix(tiny_sd3_dir, tmp_path):
     good = tmp_path / "score.py"
@@ -156,16 +220,44 @@ def test_tensorboard_logger_without_the_package_is_a_config_error(tiny_sd3_dir):
     assert "trainer.logger" in result["[console,tensorboard]"] and "pip install tensorboard" in result["[console,tensorboard]"]
 
 
-def test_prepare_run_config_names_the_experiment_and_forces_the_transfer_queue(tiny_sd3_dir, tmp_path):
+def test_prepare_run_config_names_the_experiment(tiny_sd3_dir, tmp_path):
     cfg = prepare_run_config(
         None,
-        [f"actor_rollout_ref.model.path={tiny_sd3_dir}", "transfer_queue.enable=false", f"trainer.default_local_dir={tmp_path}"],
+        [f"actor_rollout_ref.model.path={tiny_sd3_dir}", f"trainer.default_local_dir={tmp_path}"],
         experiment_suffix="20261203-030000-brave-otter",
     )
     assert cfg.transfer_queue.enable is True
     assert cfg.trainer.experiment_name == "tiny_sd3_jpeg-20261203-030000-brave-otter"
     assert cfg.trainer.checkpoint_dir == tmp_path / "tiny_sd3_jpeg-20261203-030000-brave-otter"
     assert cfg.trainer.device == "cpu" or accelerator_driver_present()
+    # transfer_queue.enable=false was silently forced on before; now it is refused with the reason.
+    with pytest.raises(ConfigError) as err:
+        prepare_run_config(None, [f"actor_rollout_ref.model.path={tiny_sd3_dir}", "transfer_queue.enable=false"])
+    assert err.value.keys == ["transfer_queue.enable"] and "always moves rollouts through the TransferQueue" in str(err.value)
+
+
+def test_prepare_run_config_reports_key_type_and_cross_field_problems_in_one_error(tiny_sd3_dir):
+    """Unknown / refused keys and wrong types no longer hide the cross-field rules: all come in one error,
+    and a rule about a key that is already reported (here the dropped train_batch_size) is not repeated."""
+    with pytest.raises(ConfigError) as err:
+        prepare_run_config(
+            None,
+            [
+                f"actor_rollout_ref.model.path={tiny_sd3_dir}",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # vLLM knob (key check)
+                "actor_rollout_ref.actor.strategy=fsdp2",  # refused value (key check)
+                "data.train_batch_size=abc",  # wrong type (pydantic)
+                "trainer.experiment_name=../x",  # cross-field rule (paths)
+                "reward.num_workers=2",  # refused when not default (validation)
+            ],
+        )
+    assert err.value.keys == [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.actor.strategy",
+        "data.train_batch_size",
+        "reward.num_workers",
+        "trainer.experiment_name",
+    ]
 
 
 # ------------------------------------------------------------------------------------ light name lists

@@ -114,6 +114,7 @@ def ppo_update(
     *,
     step_fn: StepFn,
     cfg: PPOUpdateConfig,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """Run one training step of Flow-GRPO updates on a batch of trajectories.
 
@@ -125,12 +126,15 @@ def ppo_update(
             ``advantages [B]`` (or ``[B, W]``), plus any conditioning tensors with batch dim first.
         step_fn: ``step_fn(micro_batch, j) -> StepOutput`` for window step ``j`` (see StepOutput).
         cfg: sizes and loss knobs.
+        scaler: a gradient scaler for fp16 compute (losses scaled before backward, gradients unscaled
+            before clipping; an overflowing step is skipped and the scale lowered), or None.
 
     Returns:
         Means over all (micro-batch, step) calls of ``actor/pg_loss``, ``actor/pg_clipfrac``,
         ``actor/pg_clipfrac_higher``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
         ``actor/ratio_mean``, ``actor/ratio_std``, ``actor/kl_loss`` (0 when off); the mean over
-        mini-batches of ``actor/grad_norm`` (before clipping); ``actor/lr`` used by this step.
+        mini-batches of ``actor/grad_norm`` (before clipping); ``actor/lr`` used by this step;
+        ``actor/grad_scale`` after the step when a scaler is given.
     """
     loss_fn = get_policy_loss(cfg.loss_mode)
     batch_size, window = batch["old_log_probs"].shape[:2]
@@ -177,30 +181,41 @@ def ppo_update(
                             )
                         kl = kl_loss(out.prev_sample_mean, out.ref_prev_sample_mean, out.std_dev_t)
                         loss = loss + cfg.kl_coef * kl
-                    (loss * scale).backward()
+                    scaled = loss * scale
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
                     metrics["kl_loss"] = kl.detach()
                     # Kept as tensors: a float() per step would sync the device every step.
                     for key, value in metrics.items():
                         sums[key] = sums[key] + value if key in sums else value
                     n_terms += 1
-            grad_norms.append(_optimizer_step(optimizer, params, cfg.grad_clip))
+            grad_norms.append(_optimizer_step(optimizer, params, cfg.grad_clip, scaler))
     if lr_scheduler is not None:
         lr_scheduler.step()
 
     result = {f"actor/{key}": float(value) / max(n_terms, 1) for key, value in sums.items()}
     result["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     result["actor/lr"] = lr
+    if scaler is not None:
+        result["actor/grad_scale"] = float(scaler.get_scale())
     return result
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float) -> float:
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float, scaler: torch.amp.GradScaler | None = None
+) -> float:
     """Clip, step and zero the grads; returns the pre-clip global grad norm.
 
-    A non-finite norm skips the step (as verl's actors do) instead of writing nan into the weights.
+    A non-finite norm skips the step (as verl's actors do) instead of writing nan into the weights; with
+    a scaler (fp16) that is an overflow, after which the scaler lowers its scale.
     """
     max_norm = grad_clip if grad_clip and grad_clip > 0 else math.inf
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    if math.isfinite(grad_norm):
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the step itself when the unscaled gradients are not finite
+        scaler.update()
+    elif math.isfinite(grad_norm):
         optimizer.step()
     else:
         logger.warning("grad_norm is %s; skipping this optimizer step", grad_norm)

@@ -2,29 +2,36 @@
 
 from omni_core.config.errors import ConfigError, ConfigProblem
 from omni_core.config.loader import (
+    config_and_problems,
     config_from_dict,
     load_config,
+    load_config_and_problems,
     parse_override,
     parse_value,
     resolve_config,
+    resolve_config_and_problems,
     to_flat_dict,
     to_yaml,
     with_experiment_suffix,
     with_updates,
 )
-from omni_core.config.schema import OmniFlowConfig
+from omni_core.config.schema import OmniFlowConfig, torch_dtype_name
 
 __all__ = [
     "ConfigError",
     "ConfigProblem",
     "OmniFlowConfig",
+    "config_and_problems",
     "config_from_dict",
     "load_config",
+    "load_config_and_problems",
     "parse_override",
     "parse_value",
     "resolve_config",
+    "resolve_config_and_problems",
     "to_flat_dict",
     "to_yaml",
+    "torch_dtype_name",
     "with_experiment_suffix",
     "with_updates",
 ]

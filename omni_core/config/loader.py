@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from omni_core.config.defaults_file import flatten
 from omni_core.config.errors import ConfigError, ConfigProblem
 from omni_core.config.schema import OmniFlowConfig, RewardFunctionSpec
-from omni_core.config.unsupported import UNSUPPORTED_VALUES, unsupported_key_reason
+from omni_core.config.unsupported import UNKNOWN_IN_SECTION, UNSUPPORTED_VALUES, unsupported_key_reason
 
 _INT = re.compile(r"^[-+]?\d+$")
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$", re.IGNORECASE)
@@ -133,9 +133,23 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- key checks
+def config_keys(cls: type[BaseModel]) -> dict[str, Any]:
+    """The keys a section takes as a user writes them (a field's alias, e.g. ray_init's `_temp_dir`) -> field info."""
+    return {info.alias or name: info for name, info in cls.model_fields.items()}
+
+
+# Keys of one reward.reward_functions entry (RewardFunctionSpec) and verl-omni's `label` mapping form.
+_REWARD_ENTRY_KEYS = ("name", "path", "function", "weight")
+_REWARD_ENTRY_EXTRA = (
+    "OmniFlow's reward entries take name | path + function, and weight; verl-omni's extra entry keys (passed to "
+    "compute_score as keyword arguments) and `required` are not supported. Put the value in your reward file and "
+    "remove this key."
+)
+
+
 def _all_paths(cls: type[BaseModel] = OmniFlowConfig, prefix: str = "") -> list[str]:
     paths = []
-    for name, info in cls.model_fields.items():
+    for name, info in config_keys(cls).items():
         path = f"{prefix}{name}"
         paths.append(path)
         ann = info.annotation
@@ -163,16 +177,25 @@ def _suggest(path: str, siblings: Iterable[str]) -> str:
 def check_keys(data: Mapping[str, Any], cls: type[BaseModel] = OmniFlowConfig, prefix: str = "") -> list[ConfigProblem]:
     """Problems for unknown / unsupported keys and unsupported values, before pydantic sees the data."""
     problems: list[ConfigProblem] = []
+    fields = config_keys(cls)
     for key, value in data.items():
         path = f"{prefix}{key}"
         reason = unsupported_key_reason(path)
         if reason:
             problems.append(ConfigProblem(path, f"not supported by OmniFlow: {reason}"))
             continue
-        if key not in cls.model_fields:
-            problems.append(ConfigProblem(path, _suggest(path, cls.model_fields)))
+        if key not in fields:
+            section_reason = UNKNOWN_IN_SECTION.get(prefix.rstrip("."))
+            if section_reason:
+                accepted = ", ".join(fields)
+                problems.append(ConfigProblem(path, f"not supported by OmniFlow: {section_reason.format(accepted=accepted)}"))
+            else:
+                problems.append(ConfigProblem(path, _suggest(path, fields)))
             continue
-        ann = cls.model_fields[key].annotation
+        if path == "reward.reward_functions":
+            problems.extend(_reward_entry_problems(value))
+            continue
+        ann = fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel) and ann is not RewardFunctionSpec:
             if isinstance(value, Mapping):
                 problems.extend(check_keys(value, ann, f"{path}."))
@@ -183,6 +206,25 @@ def check_keys(data: Mapping[str, Any], cls: type[BaseModel] = OmniFlowConfig, p
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, str) and item in bad_values:
                 problems.append(ConfigProblem(path, f"not supported by OmniFlow: {bad_values[item]}", value))
+    return problems
+
+
+def _reward_entry_problems(value: Any) -> list[ConfigProblem]:
+    """Keys of reward.reward_functions entries that OmniFlow has no use for (named as the user wrote them)."""
+    if isinstance(value, Mapping):
+        entries = [(str(label), entry) for label, entry in value.items()]
+    elif isinstance(value, (list, tuple)):
+        entries = [(str(i), entry) for i, entry in enumerate(value)]
+    else:
+        return []
+    problems = []
+    for label, entry in entries:
+        if isinstance(entry, Mapping):
+            for k in entry:
+                if k not in _REWARD_ENTRY_KEYS:
+                    problems.append(
+                        ConfigProblem(f"reward.reward_functions.{label}.{k}", f"not supported by OmniFlow: {_REWARD_ENTRY_EXTRA}")
+                    )
     return problems
 
 
@@ -202,37 +244,64 @@ def _key_path(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     cls: Any = OmniFlowConfig
     for part in loc:
-        if isinstance(cls, type) and issubclass(cls, BaseModel) and part in cls.model_fields:
+        fields = config_keys(cls) if isinstance(cls, type) and issubclass(cls, BaseModel) else {}
+        if part in fields:
             parts.append(str(part))
-            cls = cls.model_fields[part].annotation
+            cls = fields[part].annotation
         elif isinstance(part, int):
             parts.append(str(part))
     return ".".join(parts)
 
 
 # ---------------------------------------------------------------------------------------- entry
+def config_and_problems(data: Mapping[str, Any]) -> tuple[OmniFlowConfig | None, list[ConfigProblem]]:
+    """Every key / value / type problem of a nested dict, and the config of what is left.
+
+    The config is built without the keys that have a problem (their defaults stand in), so that the
+    cross-field rules can check the rest in the same round (`omni_core.validation.prepare_run_config`);
+    None when even that does not validate.
+    """
+    problems = check_keys(data)
+    clean = _without_keys(data, {p.key for p in problems})
+    for _ in range(3):  # each round drops the keys pydantic refused (defaults stand in); one or two rounds end it
+        try:
+            return OmniFlowConfig.model_validate(clean), problems
+        except ValidationError as exc:
+            found = [p for p in _pydantic_problems(exc) if p.key not in {q.key for q in problems}]
+            if not found:
+                break
+            problems.extend(found)
+            clean = _without_keys(clean, {p.key for p in found})
+    return None, problems
+
+
 def config_from_dict(data: Mapping[str, Any]) -> OmniFlowConfig:
     """Validate a nested dict into an `OmniFlowConfig`; all problems raised together."""
-    problems = check_keys(data)
-    # Validate what is left without the bad keys, so that type errors are reported in the same round.
-    clean = _without_keys(data, {p.key for p in problems})
-    try:
-        config = OmniFlowConfig.model_validate(clean)
-    except ValidationError as exc:
-        problems.extend(_pydantic_problems(exc))
-    if problems:
+    config, problems = config_and_problems(data)
+    if problems or config is None:
         raise ConfigError(problems)
     return config
 
 
-def _without_keys(data: Mapping[str, Any], paths: set[str], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if path in paths:
-            continue
-        out[key] = _without_keys(value, paths, f"{path}.") if isinstance(value, Mapping) else value
+def _without_keys(data: Mapping[str, Any], paths: set[str]) -> dict[str, Any]:
+    """A copy of `data` without `paths`; a path that runs into a list (`reward.reward_functions.0.x`) drops
+    the deepest mapping key it names (`reward.reward_functions`)."""
+    out = _copy_tree(data)
+    for path in paths:
+        node: Any = out
+        parts = path.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                break
+            if i == len(parts) - 1 or not isinstance(node[part], dict):
+                del node[part]
+                break
+            node = node[part]
     return out
+
+
+def _copy_tree(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copy_tree(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
 def load_config(files: str | Path | Sequence[str | Path] | None = None, overrides: Sequence[str] = ()) -> OmniFlowConfig:
@@ -240,6 +309,17 @@ def load_config(files: str | Path | Sequence[str | Path] | None = None, override
 
     The defaults in `defaults.yaml` fill every key that neither sets.
     """
+    config, problems = load_config_and_problems(files, overrides)
+    if problems or config is None:
+        raise ConfigError(problems)
+    return config
+
+
+def load_config_and_problems(
+    files: str | Path | Sequence[str | Path] | None = None, overrides: Sequence[str] = ()
+) -> tuple[OmniFlowConfig | None, list[ConfigProblem]]:
+    """`load_config` that returns its problems instead of raising them, with the config of the keys that
+    have none (see `config_and_problems`); a file that cannot be read is still raised at once."""
     if files is None:
         files = []
     elif isinstance(files, (str, Path)):
@@ -255,9 +335,8 @@ def load_config(files: str | Path | Sequence[str | Path] | None = None, override
             problems.extend(exc.problems)
             continue
         set_path(tree, key, value)
-    if problems:
-        raise ConfigError(problems)
-    return config_from_dict(tree)
+    config, more = config_and_problems(tree)
+    return config, [*problems, *more]
 
 
 def with_updates(config: OmniFlowConfig, updates: Mapping[str, Any]) -> OmniFlowConfig:
@@ -273,9 +352,31 @@ def resolve_config(
 ) -> OmniFlowConfig:
     """A config given as an object (a flow parameter), or else the defaults and YAML `files`, with
     `key.path=value` overrides on top."""
+    resolved, problems = resolve_config_and_problems(config, overrides, files)
+    if problems or resolved is None:
+        raise ConfigError(problems)
+    return resolved
+
+
+def resolve_config_and_problems(
+    config: OmniFlowConfig | None, overrides: Sequence[str] = (), files: Sequence[str | Path] = ()
+) -> tuple[OmniFlowConfig | None, list[ConfigProblem]]:
+    """`resolve_config` that returns its problems with the config of the keys that have none."""
     if config is None:
-        return load_config(files, overrides)
-    return with_updates(config, dict(map(parse_override, overrides))) if overrides else config
+        return load_config_and_problems(files, overrides)
+    if not overrides:
+        return config, []
+    tree = config.model_dump(mode="python")
+    problems: list[ConfigProblem] = []
+    for arg in overrides:
+        try:
+            key, value = parse_override(arg)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        set_path(tree, key, value)
+    resolved, more = config_and_problems(tree)
+    return resolved, [*problems, *more]
 
 
 def with_experiment_suffix(config: OmniFlowConfig, suffix: str) -> OmniFlowConfig:

@@ -24,6 +24,34 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 StrList = tuple[str, ...]
 
+# verl's spellings of a dtype (its PrecisionType) -> the torch name the config keeps.
+DTYPE_SPELLINGS: dict[str, str] = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
+# A dtype key accepts each spelling (so the JSON schema and the Prefect form offer them all) and keeps the torch name.
+DtypeName = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
+
+
+def torch_dtype_name(name: str) -> str:
+    """`fp32` / `bf16` / `fp16` (or the torch names) -> `float32` / `bfloat16` / `float16`; light (no torch).
+
+    `getattr(torch, torch_dtype_name(s))` is the torch dtype.
+    """
+    canonical = DTYPE_SPELLINGS.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"unknown dtype {name!r}; use fp32 / float32, bf16 / bfloat16 or fp16 / float16")
+    return canonical
+
+
+def _canonical_dtype(value: str) -> str:
+    """An after-validator of `DtypeName` fields: verl's spellings become the torch names."""
+    return torch_dtype_name(value)
+
 
 class _Section:
     """Defaults and descriptions of one YAML section, as pydantic `Field`s."""
@@ -35,8 +63,8 @@ class _Section:
             node = node[part]
         self.values: dict[str, Any] = node
 
-    def __call__(self, name: str) -> Any:
-        return Field(default=self.values[name], description=_COMMENTS.get(f"{self.path}.{name}"))
+    def __call__(self, name: str, **field_kwargs: Any) -> Any:
+        return Field(default=self.values[name], description=_COMMENTS.get(f"{self.path}.{name}"), **field_kwargs)
 
     def section(self, name: str, cls: type[BaseModel]) -> Any:
         return Field(default_factory=cls, description=_COMMENTS.get(f"{self.path}.{name}"))
@@ -61,6 +89,7 @@ class DataConfig(ConfigModel):
     val_batch_size: PositiveInt | None = _d("val_batch_size")
     gen_batch_size: PositiveInt | None = _d("gen_batch_size")
     max_prompt_length: PositiveInt = _d("max_prompt_length")
+    truncation: str = _d("truncation")
     shuffle: bool = _d("shuffle")
     seed: int | None = _d("seed")
     dataloader_num_workers: NonNegInt = _d("dataloader_num_workers")
@@ -113,6 +142,22 @@ class CheckpointContentsConfig(ConfigModel):
     save_contents: tuple[Literal["model", "optimizer", "extra"], ...] = _c("save_contents")
 
 
+_fs = _Section("actor_rollout_ref.actor.fsdp_config")
+
+
+class FsdpConfig(ConfigModel):
+    """verl's `actor.fsdp_config`: the precision keys OmniFlow's torch strategy implements, and the
+    offload / sequence-parallel keys at their only implemented value (other values are refused)."""
+
+    model_dtype: DtypeName = _fs("model_dtype")
+    dtype: DtypeName = _fs("dtype")
+    param_offload: bool = _fs("param_offload")
+    optimizer_offload: bool = _fs("optimizer_offload")
+    ulysses_sequence_parallel_size: PositiveInt = _fs("ulysses_sequence_parallel_size")
+
+    _dtypes = field_validator("model_dtype", "dtype")(_canonical_dtype)
+
+
 _a = _Section("actor_rollout_ref.actor")
 
 
@@ -129,6 +174,7 @@ class ActorConfig(ConfigModel):
     use_kl_loss: bool = _a("use_kl_loss")
     kl_loss_coef: Annotated[float, Field(ge=0)] = _a("kl_loss_coef")
     checkpoint: CheckpointContentsConfig = _a.section("checkpoint", CheckpointContentsConfig)
+    fsdp_config: FsdpConfig = _a.section("fsdp_config", FsdpConfig)
 
 
 _r = _Section("actor_rollout_ref.ref")
@@ -198,15 +244,18 @@ class RolloutConfig(ConfigModel):
     name: Literal["diffusers"] = _ro("name")
     n: PositiveInt = _ro("n")
     seed: int | None = _ro("seed")
-    dtype: Literal["float32", "bfloat16", "float16"] = _ro("dtype")
+    dtype: DtypeName = _ro("dtype")
     rollout_attn_backend: str = _ro("rollout_attn_backend")
     calculate_log_probs: bool = _ro("calculate_log_probs")
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = _ro("log_prob_micro_batch_size_per_gpu")
     nnodes: NonNegInt = _ro("nnodes")
     n_gpus_per_node: NonNegInt = _ro("n_gpus_per_node")
     pipeline: PipelineConfig = _ro.section("pipeline", PipelineConfig)
     algo: SdeAlgoConfig = _ro.section("algo", SdeAlgoConfig)
     val_kwargs: ValKwargsConfig = _ro.section("val_kwargs", ValKwargsConfig)
     agent: AgentConfig = _ro.section("agent", AgentConfig)
+
+    _dtype = field_validator("dtype")(_canonical_dtype)
 
 
 _arr = _Section("actor_rollout_ref")
@@ -262,6 +311,7 @@ class RewardConfig(ConfigModel):
     custom_reward_function: CustomRewardFunctionConfig = _rw.section("custom_reward_function", CustomRewardFunctionConfig)
     reward_functions: tuple[RewardFunctionSpec, ...] = _rw("reward_functions")
     aggregation: Literal["weighted_sum"] = _rw("aggregation")
+    num_workers: PositiveInt | None = _rw("num_workers")
 
     @field_validator("reward_functions", mode="before")
     @classmethod
@@ -339,6 +389,7 @@ class TrainerConfig(ConfigModel):
     test_freq: int = _t("test_freq")
     val_before_train: bool = _t("val_before_train")
     val_only: bool = _t("val_only")
+    log_val_generations: NonNegInt = _t("log_val_generations")
     resume_mode: Literal["auto", "disable", "resume_path"] = _t("resume_mode")
     resume_from_path: str | None = _t("resume_from_path")
     default_local_dir: str | None = _t("default_local_dir")
@@ -384,8 +435,21 @@ _ri = _Section("ray_kwargs.ray_init")
 
 
 class RayInitConfig(ConfigModel):
+    """The `ray.init` arguments OmniFlow passes on (verl passes `ray_kwargs.ray_init` to `ray.init(**...)`).
+
+    `_temp_dir` keeps Ray's spelling in configs (pydantic fields cannot start with `_`): the attribute
+    is `temp_dir`, the key (in YAML, overrides, dumps and the JSON schema) is `_temp_dir`.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
     address: str | None = _ri("address")
     num_cpus: PositiveInt | None = _ri("num_cpus")
+    num_gpus: NonNegInt | None = _ri("num_gpus")
+    resources: dict[str, Annotated[float, Field(ge=0)]] | None = _ri("resources")
+    object_store_memory: PositiveInt | None = _ri("object_store_memory")
+    temp_dir: str | None = _ri("_temp_dir", alias="_temp_dir")
+    runtime_env: dict[str, Any] | None = _ri("runtime_env")
     include_dashboard: bool = _ri("include_dashboard")
 
 

@@ -5,6 +5,14 @@ lazily made frozen copy), the attention backend and gradient checkpointing switc
 into a row-sliceable "cond" dict, one velocity forward (with batched CFG), latent noise, the timestep
 schedule, decoding to uint8 images, and saving / loading what is trained. Architecture details live in
 ``omni_core.models.arch``; the SDE math in ``omni_core.sde``; the rollout loop in ``omni_core.rollout``.
+
+Placement and precision: every module sits on ``device``; weights are loaded in ``dtype`` (the rollout
+copy in ``actor_rollout_ref.rollout.dtype``; the trained copy in ``actor.fsdp_config.model_dtype``), and
+trained parameters are always fp32 (full fine-tuning needs an fp32 model; LoRA adapters are upcast on a
+bf16/fp16 base). ``compute_dtype`` runs the transformer forward under ``torch.autocast`` (mixed precision,
+``actor.fsdp_config.dtype``); the velocity comes back fp32, so the SDE step and log-probs stay fp32.
+Prompts are embedded by the text encoders, or looked up in a ``PromptEmbeddings`` file computed once per
+prompt set (then the text encoders need not be loaded at all: ``text_encoders=False``).
 """
 
 from __future__ import annotations
@@ -44,18 +52,32 @@ class FlowPolicy:
         enable_gradient_checkpointing: bool = False,
         attn_backend: str = "native",
         dtype: torch.dtype = torch.float32,
+        compute_dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        text_encoders: bool = True,
+        trainable: bool = True,
+        prompt_embeddings: str | Path | None = None,
     ):
         self.device = torch.device(device)
         self.dtype = dtype
-        self.pipeline = load_pipeline(path, architecture, torch_dtype=dtype).to(self.device)
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, dtype) else None
+        is_lora = bool(lora_rank or lora_adapter_path)
+        if trainable and not is_lora and dtype != torch.float32:
+            raise ValueError(f"full fine-tuning keeps fp32 master weights: dtype={dtype} needs LoRA (lora_rank > 0) or float32")
+        loader_kwargs = {} if text_encoders else {"text_encoders": False}
+        self.pipeline = load_pipeline(path, architecture, torch_dtype=dtype, **loader_kwargs).to(self.device)
+        self.prompt_embeddings = None
+        if prompt_embeddings is not None:
+            from omni_core.models.prompt_embeddings import PromptEmbeddings
+
+            self.prompt_embeddings = PromptEmbeddings(prompt_embeddings)
         self.arch = adapter_for(self.pipeline)
         self.scheduler = self.pipeline.scheduler
         self.base_transformer = self.pipeline.transformer
         self.lora_config = None
         self._reference: torch.nn.Module | None = None
 
-        if lora_rank or lora_adapter_path:
+        if is_lora:
             self.base_transformer.requires_grad_(False)
             fresh = lora.build_lora_config(lora_rank or 8, lora_alpha, lora_init_weights, target_modules)
             if lora_adapter_path:
@@ -64,8 +86,12 @@ class FlowPolicy:
                 model = lora.apply_lora(self.base_transformer, fresh)
             self.transformer: torch.nn.Module = model
             self.lora_config = model.peft_config[model.active_adapter]
+            for param in self.trainable_parameters():  # fp32 adapters on a bf16 / fp16 base
+                param.data = param.data.float()
+            if not trainable:
+                self.transformer.requires_grad_(False)
         else:
-            self.base_transformer.requires_grad_(True)
+            self.base_transformer.requires_grad_(trainable)
             self.transformer = self.base_transformer
 
         if enable_gradient_checkpointing:
@@ -123,6 +149,16 @@ class FlowPolicy:
         the same keys prefixed ``negative_`` (empty-string negatives when none are given)."""
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
             raise ValueError(f"{len(negative_prompts)} negative prompts for {len(prompts)} prompts")
+        if self.prompt_embeddings is not None:
+            if self.prompt_embeddings.max_sequence_length != max_sequence_length:
+                raise ValueError(
+                    f"the cached prompt embeddings were computed with max_sequence_length="
+                    f"{self.prompt_embeddings.max_sequence_length}, not {max_sequence_length}"
+                )
+            negs = list(negative_prompts) if negative_prompts is not None else None
+            return self.prompt_embeddings.cond(list(prompts), negs, do_cfg, self.device)
+        if getattr(self.pipeline, "text_encoder", None) is None:
+            raise ValueError("this policy was loaded without text encoders and has no prompt embeddings to look up")
         cond = self.arch.encode(list(prompts), negative_prompts, max_sequence_length, do_cfg, self.device)
         return {k: v.detach() for k, v in cond.items()}
 
@@ -179,12 +215,28 @@ class FlowPolicy:
             else:
                 self.ensure_reference()
                 model = self._reference
-        with adapter_ctx, grad_ctx:
+        with adapter_ctx, grad_ctx, self.autocast():
             out = self.arch.forward(model, x, t.to(self.dtype), fwd_cond, guidance_scale, height, width).float()
         if do_cfg:
             uncond, cond_out = out.chunk(2)
             out = uncond + guidance_scale * (cond_out - uncond)
         return out
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision of the transformer forward (``compute_dtype``), or nothing when it equals ``dtype``."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def modules_on_device(self) -> dict[str, torch.nn.Module]:
+        """Every computing module of the policy by name (transformer, reference, VAE, text encoders present)."""
+        names = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+        found = {n: getattr(self.pipeline, n, None) for n in names}
+        modules = {n: m for n, m in found.items() if isinstance(m, torch.nn.Module)}
+        modules["trained"] = self.transformer
+        if self._reference is not None:
+            modules["reference"] = self._reference
+        return modules
 
     # ----------------------------------------------------------------------------- trainable state
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -54,3 +54,22 @@ class RolloutRequest:
             RolloutRequest(self.partition, self.global_step, self.params, self.items[i * n // k : (i + 1) * n // k])
             for i in range(k)
         ]
+
+    def chunks(self, size: int) -> list[RolloutRequest]:
+        """Contiguous parts of at most ``size`` prompts (``data.gen_batch_size`` / ``data.val_batch_size``)."""
+        if size < 1:
+            raise ValueError(f"chunk size {size} must be >= 1")
+        return [
+            RolloutRequest(self.partition, self.global_step, self.params, self.items[i : i + size])
+            for i in range(0, len(self.items), size)
+        ]
+
+    def assign(self, workers: int, chunk_size: int | None = None) -> list[list[RolloutRequest]]:
+        """The calls each of ``workers`` workers makes: without ``chunk_size``, one contiguous part each;
+        with it, chunks of ``chunk_size`` prompts dealt round-robin (a worker runs its chunks in order)."""
+        if chunk_size is None:
+            return [[part] if part.items else [] for part in self.split(workers)]
+        calls: list[list[RolloutRequest]] = [[] for _ in range(workers)]
+        for i, chunk in enumerate(self.chunks(chunk_size)):
+            calls[i % workers].append(chunk)
+        return calls

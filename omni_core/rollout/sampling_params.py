@@ -29,8 +29,10 @@ class SamplingParams:
         sde_type: ``sde`` (Flow-GRPO) or ``cps``.
         sde_window_size, sde_window_range: the SDE window (see ``omni_core.sde.sample_sde_windows``).
         max_sequence_length: text-encoder tokens.
-        calculate_log_probs: record each in-window step's log-prob and keep the window for training;
-            False keeps only the images and scores (validation).
+        calculate_log_probs: record each in-window step's log-prob (``rollout.calculate_log_probs``: bypass
+            mode trains on them, and the trainer reports their drift from its own recomputation).
+        record_window: keep the SDE window (latents, timesteps, prompt embeddings) for training; False keeps
+            only the images and scores (validation).
         fixed_noise: seed every request as global step 0, so the same prompt gets the same noise at every
             evaluation and images are comparable across steps (validation); False reseeds per step.
     """
@@ -47,6 +49,7 @@ class SamplingParams:
     sde_window_range: tuple[int, int] | None = None
     max_sequence_length: int = 128
     calculate_log_probs: bool = True
+    record_window: bool = True
     fixed_noise: bool = False
 
     @classmethod
@@ -64,7 +67,8 @@ class SamplingParams:
             sde_window_size=rollout.algo.sde_window_size,
             sde_window_range=tuple(rollout.algo.sde_window_range) if rollout.algo.sde_window_range else None,
             max_sequence_length=rollout.pipeline.max_sequence_length,
-            calculate_log_probs=True,
+            calculate_log_probs=rollout.calculate_log_probs,
+            record_window=True,
             fixed_noise=False,
         )
 
@@ -80,6 +84,7 @@ class SamplingParams:
             num_inference_steps=val.pipeline.num_inference_steps,
             noise_level=val.algo.noise_level,
             calculate_log_probs=False,
+            record_window=False,
             fixed_noise=True,
         )
 
@@ -92,6 +97,8 @@ class SamplingParams:
 
     def generate_kwargs(self, global_step: int) -> dict[str, Any]:
         """``generate``'s keyword arguments for a request made at ``global_step``."""
-        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fixed_noise"}
+        kwargs = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("fixed_noise", "record_window")
+        }
         kwargs["global_step"] = 0 if self.fixed_noise else global_step
         return kwargs

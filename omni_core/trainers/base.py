@@ -37,12 +37,13 @@ from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import PromptRecord
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
-from omni_core.resources import TRAINING_ACTOR_CPUS
+from omni_core.resources import resource_plan
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
+from omni_core.worker_pool import actor_options, create_pool, remove_pool
 
 logger = logging.getLogger("omni_core.trainer")
 
@@ -132,10 +133,11 @@ class PolicyGradientDiffusionTrainerV1:
     def _init_training_actor(self) -> None:
         from omni_core.workers.training_actor import TrainingActor  # diffusers: only where the actor starts
 
-        names = self.run.names
+        names, plan = self.run.names, resource_plan(self.config)
+        pool = create_pool(plan, names)
         remote = ray.remote(TrainingActor)
         self.actor = remote.options(
-            name=names.training_actor, namespace=names.namespace, num_cpus=TRAINING_ACTOR_CPUS, max_restarts=3
+            name=names.training_actor, namespace=names.namespace, max_restarts=3, **actor_options(pool, plan.training[0], plan)
         ).remote(self.config.model_dump(mode="json"), self.total_training_steps, cpu_threads(1))
 
     def _load_checkpoint(self) -> None:
@@ -147,9 +149,11 @@ class PolicyGradientDiffusionTrainerV1:
 
     def init_agent_loop(self) -> AgentLoopManager:
         """verl-omni's `init_agent_loop_manager()`: the rollout workers, given the current weights."""
-        workers = self.config.actor_rollout_ref.rollout.agent.num_workers
+        plan = resource_plan(self.config)
+        pool = create_pool(plan, self.run.names)
+        options = [actor_options(pool, slot, plan) for slot in plan.rollout]
         self.agent_loop = AgentLoopManager.create(
-            self.config.model_dump(mode="json"), self.run.names, workers, cpu_threads(workers)
+            self.config.model_dump(mode="json"), self.run.names, options, cpu_threads(len(options)), self.run.prompt_embeddings
         )
         self._push_weights()
         return self.agent_loop
@@ -175,6 +179,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.agent_loop.close()
         if self.actor is not None:
             ray.kill(self.actor, no_restart=True)  # also fine for an actor that already died
+            remove_pool(self.run.names)
         self.actor, self.agent_loop = None, None
 
     # ------------------------------------------------------------------------ restore / save
@@ -300,7 +305,7 @@ class PolicyGradientDiffusionTrainerV1:
             )
             with timer("gen"):
                 self.on_sample_begin()
-                batch = self._rollout(request)
+                batch = self._rollout(request, self.config.data.gen_batch_size)
                 self.on_sample_end()
             keys = batch.trajectory_keys
             rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
@@ -339,11 +344,12 @@ class PolicyGradientDiffusionTrainerV1:
             self.step_callback(step, self.total_training_steps, metrics)
         return metrics
 
-    def _rollout(self, request: RolloutRequest) -> SampledBatch:
-        """Put the request's prompts, dispatch them, and wait (bounded) for their complete groups."""
+    def _rollout(self, request: RolloutRequest, chunk_size: int | None = None) -> SampledBatch:
+        """Put the request's prompts, dispatch them (in chunks of `chunk_size` prompts when given), and wait
+        (bounded) for their complete groups."""
         assert self.agent_loop is not None
         tqc.put_prompts(request.partition, request.uids, request.global_step)
-        self.agent_loop.generate_sequences(request)
+        self.agent_loop.generate_sequences(request, chunk_size)
         buffer = ReplayBuffer(
             request.partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive
         )
@@ -367,7 +373,7 @@ class PolicyGradientDiffusionTrainerV1:
         request = RolloutRequest.of_records(
             self.run.val_partition, self.global_step, params, self.val_records, uid_prefix=f"val-{self.global_step:06d}"
         )
-        batch = self._rollout(request)
+        batch = self._rollout(request, self.config.data.val_batch_size)
         rows = tqc.get_trajectories(
             self.run.val_partition,
             batch.trajectory_keys,
@@ -393,6 +399,11 @@ class PolicyGradientDiffusionTrainerV1:
         images = torch.stack([torch.as_tensor(rows["images"][i]) for i in order])
         path = self.config.trainer.checkpoint_dir / "validation" / f"global_step_{self.global_step}.png"
         save_image_grid(images, path, ncols=n)
+        count = self.config.trainer.log_val_generations
+        if count and self.tracking is not None:  # verl's log_val_generations: sample 0 of the first prompts
+            first = [k for k, i in enumerate(order) if int(rows["sample_index"][i]) == 0][:count]
+            captions = [self.val_records[int(rows["prompt_index"][order[k]])].prompt for k in first]
+            self.tracking.log_images(self.global_step, images[first], captions)
         self._val_grids.append((self.global_step, str(path.resolve()), dict(metrics)))
         self._log(f"validation images: {path}")
 

@@ -1,18 +1,20 @@
 """Cross-field config rules, checked before any Ray or TransferQueue process starts.
 
 verl-omni's `main()` runs `auto_set_device`, `validate_config` and `validate_attention_consistency`
-on the config; `prepare_run_config` does the same here (and resolves the config, names a per-run
-experiment, and forces the TransferQueue on, as verl-omni's v1 runner does). verl-omni scatters its
-rules over dataclass `__post_init__`s and trainer asserts; OmniFlow checks them all up front and
-reports every problem of a config together, each with its key path, the value given and a fix.
+on the config; `prepare_run_config` does the same here (and resolves the config and names a per-run
+experiment). verl-omni scatters its rules over dataclass `__post_init__`s and trainer asserts; OmniFlow
+checks them all up front and reports every problem of a config together (unknown and refused keys,
+wrong types and cross-field rules in one error), each with its key path, the value given and a fix.
 
 The rules live in one module per group, found by name:
 
-  batch_sizes     data.train_batch_size, mini / micro batches, samples per prompt
-  rollout         the SDE window inside the denoising steps, CFG, rollout log-probs for bypass mode
+  refused         keys at their only implemented value (REFUSED_WHEN_NOT_DEFAULT), with the reason
+  batch_sizes     data.train_batch_size, mini / micro / generation batches, samples per prompt
+  rollout         the SDE window inside the denoising steps, rollout log-probs for bypass mode
   algorithm       advantage estimator, loss mode, LoRA keys
-  trainer_modes   the v1 trainer, registered modes, separate_async's requirements
-  devices         devices requested vs present, nodes, the run's Ray logical-CPU budget
+  precision       actor.fsdp_config.model_dtype below fp32 only under LoRA
+  trainer_modes   registered modes, separate_async's requirements
+  devices         devices requested vs present, the ray.init arguments, the run's Ray CPU / GPU budget
   paths           experiment names, the resume path, the model folder, prompt files
   rewards         built-in reward names and reward files
   tracking        trainer.logger backends and the packages they need
@@ -27,12 +29,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig, resolve_config, with_experiment_suffix, with_updates
+from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig, resolve_config_and_problems, with_experiment_suffix
 from omni_core.validation.algorithm import algorithm_problems
 from omni_core.validation.attention import attention_problems, validate_attention_consistency
 from omni_core.validation.batch_sizes import batch_size_problems
 from omni_core.validation.devices import device_problems
 from omni_core.validation.paths import path_problems
+from omni_core.validation.precision import precision_problems
+from omni_core.validation.refused import refused_value_problems
 from omni_core.validation.rewards import reward_problems
 from omni_core.validation.rollout import rollout_problems
 from omni_core.validation.tracking import tracking_problems
@@ -50,10 +54,12 @@ __all__ = [
 def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None = None) -> list[ConfigProblem]:
     """Every cross-field problem of `config` (empty when it is valid), group by group."""
     return [
+        *refused_value_problems(config),
         *trainer_mode_problems(config),
         *batch_size_problems(config),
         *rollout_problems(config),
         *algorithm_problems(config),
+        *precision_problems(config),
         *device_problems(config, device_counts),
         *path_problems(config),
         *reward_problems(config),
@@ -79,14 +85,23 @@ def prepare_run_config(
 
     `config` (a flow parameter) or else the defaults and `config_files`, with `overrides` on top;
     `trainer.device` resolved (`auto_set_device`); with `experiment_suffix`, a per-run experiment
-    (`<experiment_name>-<suffix>`); the TransferQueue forced on (the v1 trainer needs it, as in
-    verl-omni's `run_diffusion_v1`); then every rule, with all problems in one `ConfigError`.
+    (`<experiment_name>-<suffix>`); then every rule. All problems come in one `ConfigError`: the
+    cross-field rules also run when some keys are unknown, refused or mistyped (on the config of the
+    other keys, defaults standing in), minus any rule that names a key already reported.
     """
     from omni_core.device import auto_set_device
 
-    cfg = auto_set_device(resolve_config(config, overrides, config_files))
-    if experiment_suffix:
-        cfg = with_experiment_suffix(cfg, experiment_suffix)
-    cfg = with_updates(cfg, {"transfer_queue.enable": True})
-    validate_config(cfg)
+    cfg, problems = resolve_config_and_problems(config, overrides, config_files)
+    if cfg is not None:
+        try:
+            cfg = auto_set_device(cfg)
+        except ConfigError as exc:  # an explicit device that is absent: check the rest on the detected one
+            problems.extend(exc.problems)
+            cfg = auto_set_device(cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"device": "auto"})}))
+        if experiment_suffix:
+            cfg = with_experiment_suffix(cfg, experiment_suffix)
+        reported = {p.key for p in problems}
+        problems.extend(p for p in config_problems(cfg) if p.key not in reported)
+    if problems or cfg is None:
+        raise ConfigError(problems)
     return cfg

@@ -1,4 +1,4 @@
-"""Devices and Ray resources: devices requested vs present, nodes, and the run's logical-CPU budget.
+"""Devices and Ray resources: devices requested vs present, the `ray.init` arguments, and the run's budget.
 
 The budget is `omni_core.resources.run_resource_budget`, the same one the cluster check uses once Ray
 is up (`omni_core.ray_cluster.check_cluster_devices`), so the two can never disagree.
@@ -6,8 +6,13 @@ is up (`omni_core.ray_cluster.check_cluster_devices`), so the two can never disa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.resources import run_resource_budget
+
+# ray_init keys that shape a cluster: `ray.init` refuses them (or cannot apply them) when joining one by address.
+CLUSTER_SHAPING_KEYS = ("num_gpus", "resources", "object_store_memory", "_temp_dir")
 
 
 def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None = None) -> list[ConfigProblem]:
@@ -28,16 +33,8 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
                 requested,
             )
         )
-    if trainer.nnodes > 1 and not ray_init.address:
-        p.append(
-            ConfigProblem(
-                "trainer.nnodes",
-                "more than one node needs an existing Ray cluster; set ray_kwargs.ray_init.address",
-                trainer.nnodes,
-            )
-        )
     # A reservation that cannot be met hangs forever (DESIGN.md section 7). A joined cluster is checked
-    # once connected; a local one declares ray_init.num_cpus.
+    # once connected; a local one declares ray_init.num_cpus (and num_gpus, when set).
     budget = run_resource_budget(config)
     if ray_init.address is None and ray_init.num_cpus is not None and ray_init.num_cpus < budget.total_cpus:
         p.append(
@@ -48,4 +45,56 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
                 ray_init.num_cpus,
             )
         )
+    if ray_init.address is None and ray_init.num_gpus is not None and ray_init.num_gpus < budget.gpus:
+        p.append(
+            ConfigProblem(
+                "ray_kwargs.ray_init.num_gpus",
+                f"the local cluster would declare {ray_init.num_gpus} GPU(s) but the run needs {budget.gpus} "
+                f"(trainer.n_gpus_per_node x trainer.nnodes on trainer.device=cuda); Ray would leave the work pending "
+                f"forever. Use ray_kwargs.ray_init.num_gpus={budget.gpus} or leave it null",
+                ray_init.num_gpus,
+            )
+        )
+    p.extend(ray_init_problems(config))
+    return p
+
+
+def ray_init_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """`ray.init` arguments that do not go together: cluster-shaping keys with an address, a malformed runtime_env."""
+    p: list[ConfigProblem] = []
+    ray_init = config.ray_kwargs.ray_init
+    if ray_init.address is not None:
+        dumped = ray_init.model_dump()
+        for key in CLUSTER_SHAPING_KEYS:
+            if dumped[key] is not None:
+                p.append(
+                    ConfigProblem(
+                        f"ray_kwargs.ray_init.{key}",
+                        f"shapes a local cluster, but ray_kwargs.ray_init.address={ray_init.address} joins an existing "
+                        "one (Ray refuses it there); set it when starting that cluster (ray start), or drop the address",
+                        dumped[key],
+                    )
+                )
+        if ray_init.include_dashboard:
+            p.append(
+                ConfigProblem(
+                    "ray_kwargs.ray_init.include_dashboard",
+                    f"starts a local cluster's dashboard, but ray_kwargs.ray_init.address={ray_init.address} joins an "
+                    "existing cluster (its dashboard is started with it); set it to false",
+                    True,
+                )
+            )
+    env = ray_init.runtime_env
+    if env is not None:
+        env_vars = env.get("env_vars")
+        if env_vars is not None and (
+            not isinstance(env_vars, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
+        ):
+            p.append(
+                ConfigProblem(
+                    "ray_kwargs.ray_init.runtime_env.env_vars",
+                    "must map names to strings (Ray's runtime_env contract); quote numbers, e.g. {NCCL_DEBUG: '1'}",
+                    env_vars,
+                )
+            )
     return p

@@ -1,4 +1,4 @@
-"""Rollout and SDE sampling: the SDE window inside the denoising steps, CFG, rollout log-probs."""
+"""Rollout and SDE sampling: the SDE window inside the denoising steps, rollout log-probs for bypass mode."""
 
 from __future__ import annotations
 
@@ -37,15 +37,7 @@ def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                     list(window_range),
                 )
             )
-    if rollout.pipeline.true_cfg_scale != 1.0:
-        p.append(
-            ConfigProblem(
-                "actor_rollout_ref.rollout.pipeline.true_cfg_scale",
-                "true CFG (Qwen-Image style) is not implemented in OmniFlow's sampler; use "
-                "actor_rollout_ref.rollout.pipeline.guidance_scale (with negative prompts for FLUX) and keep true_cfg_scale=1.0",
-                rollout.pipeline.true_cfg_scale,
-            )
-        )
+    # pipeline.true_cfg_scale != 1.0 is refused by the `refused` group (REFUSED_WHEN_NOT_DEFAULT).
     if config.algorithm.rollout_correction.bypass_mode and not rollout.calculate_log_probs:
         p.append(
             ConfigProblem(

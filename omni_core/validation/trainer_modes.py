@@ -1,4 +1,4 @@
-"""Trainer modes: the v1 trainer, a registered `trainer.v1.trainer_mode`, and each mode's requirements."""
+"""Trainer modes: a registered `trainer.v1.trainer_mode`, and each mode's requirements."""
 
 from __future__ import annotations
 
@@ -7,28 +7,15 @@ from omni_core.trainers.registry import SEPARATE_ASYNC_NOT_IMPLEMENTED, register
 
 
 def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    # trainer.use_v1=false, and the sampler / separate_async keys away from their defaults, are refused by
+    # the `refused` group (REFUSED_WHEN_NOT_DEFAULT).
     p: list[ConfigProblem] = []
-    trainer = config.trainer
-    mode = trainer.v1.trainer_mode
-    if not trainer.use_v1:
-        p.append(
-            ConfigProblem(
-                "trainer.use_v1", "OmniFlow implements only the v1 (TransferQueue) trainer; set trainer.use_v1=true", False
-            )
-        )
+    mode = config.trainer.v1.trainer_mode
     modes = registered_modes()
     if mode not in modes:
         p.append(ConfigProblem("trainer.v1.trainer_mode", f"unknown trainer mode; available: {', '.join(modes)}", mode))
     if mode == "separate_async":
         p.extend(_separate_async_problems(config))
-    if trainer.v1.sampler.drop_incomplete_groups and mode != "sync":
-        p.append(
-            ConfigProblem(
-                "trainer.v1.sampler.drop_incomplete_groups",
-                f"is supported only with trainer.v1.trainer_mode=sync (got {mode}); set it to false",
-                True,
-            )
-        )
     return p
 
 

@@ -19,12 +19,35 @@ from typing import Any
 import torch
 
 from omni_core.config import OmniFlowConfig, config_from_dict
+from omni_core.models.placement import module_placement, rollout_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.records import LogLine
 from omni_core.rewards.manager import RewardManager
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampling_params import SamplingParams
+from omni_core.rollout.trajectory import Trajectory
 from omni_core.tq import client as tqc
+
+
+def nonfinite_reasons(traj: Trajectory, params: SamplingParams, dtype: str) -> list[str | None]:
+    """Per sample: why its SDE window is unusable (a non-finite latent or log-prob), or None.
+
+    Reduced-precision rollouts can overflow (flow_grpo issue 177); such a sample fails with the reason
+    instead of reaching the loss as NaN.
+    """
+    reasons: list[str | None] = []
+    for i in range(traj.batch_size):
+        bad = "latent" if not torch.isfinite(traj.latents[i]).all() else None
+        if bad is None and params.calculate_log_probs and not torch.isfinite(traj.log_probs[i]).all():
+            bad = "log-prob"
+        reasons.append(
+            None
+            if bad is None
+            else f"non-finite {bad} in the SDE window (actor_rollout_ref.rollout.dtype={dtype}); "
+            "try actor_rollout_ref.rollout.dtype=float32"
+        )
+    return reasons
 
 
 @dataclass
@@ -41,11 +64,13 @@ class RolloutResult:
 class RolloutWorker:
     """Holds a copy of the policy for sampling and the reward functions; writes into the TransferQueue."""
 
-    def __init__(self, config: dict[str, Any], worker_index: int, num_threads: int):
+    def __init__(self, config: dict[str, Any], worker_index: int, num_threads: int, prompt_embeddings: str | None = None):
         torch.set_num_threads(num_threads)
         self.config: OmniFlowConfig = config_from_dict(config)
         self.index = worker_index
-        self.policy = FlowPolicy.from_model_config(self.config.actor_rollout_ref.model)
+        # On the run's device, in rollout.dtype, with rollout_attn_backend; prompts from the embedding file.
+        kwargs = rollout_policy_kwargs(self.config, prompt_embeddings)
+        self.policy = FlowPolicy.from_model_config(self.config.actor_rollout_ref.model, **kwargs)
         self.policy.transformer.eval()
         self.rewards = RewardManager(self.config.reward)
         self.version = 0
@@ -60,6 +85,10 @@ class RolloutWorker:
 
     def get_version(self) -> int:
         return self.version
+
+    def placement(self) -> dict[str, Any]:
+        """Where this worker's modules are and in what dtype (for the placement tests and the dashboard)."""
+        return module_placement(self.policy)
 
     def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """Follow the trained policy (sync mode: after every step)."""
@@ -85,6 +114,7 @@ class RolloutWorker:
         except Exception as exc:  # the whole batch failed: tag every prompt with the reason
             reason = f"rollout worker {self.index}: {type(exc).__name__}: {exc}"
             return self._fail_all(request, reason, reason + "\n" + traceback.format_exc(), start)
+        traj = traj.to("cpu")
         per_sample = [r for r in records for _ in range(params.n)]
         try:
             scored = self.rewards.score(
@@ -97,13 +127,16 @@ class RolloutWorker:
             reason = f"reward: {type(exc).__name__}: {exc}"
             return self._fail_all(request, reason, reason, start)
 
+        for i, reason in enumerate(nonfinite_reasons(traj, params, self.config.actor_rollout_ref.rollout.dtype)):
+            if reason:
+                scored.failed[i], scored.scores[i], scored.reasons[i] = True, float("nan"), reason
         n = params.n
         keys = [tqc.trajectory_key(it.uid, s) for it in items for s in range(n)]
         # Training needs the SDE window; a validation row only the images, ids and scores.
         fields: dict[str, Any] = {
             "rewards": scored.scores.float(),
             "failed": scored.failed,
-            **traj.to_columns(window=params.calculate_log_probs),
+            **traj.to_columns(window=params.record_window),
         }
         fields["data_source"] = [r.data_source for r in per_sample]
         tags = [

@@ -5,6 +5,12 @@ controller only sends keys and advantages). It reads the step's trajectories fro
 itself, so latents and embeddings never pass through the controller, recomputes the old log-probs
 in the same micro-batch layout as the update (so the first on-policy ratio is exactly 1 in fp32),
 runs `ppo_update`, and saves / loads its part of a checkpoint (`global_step_N/actor/`).
+
+Placement and precision come from `omni_core.models.placement`: the transformer on `trainer.device`
+(the GPU Ray assigned), fp32 master weights and optimizer state, the forward/backward under autocast in
+`actor.fsdp_config.dtype`, and a gradient scaler when that is fp16. Each step reports how far the
+rollout's log-probs are from the recomputed old ones (`training/rollout_probs_diff_max|mean`), which is
+where a reduced-precision rollout shows its drift.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, build_lr_scheduler, build_optimizer, ppo_update
 from omni_core.checkpoint.files import read_tensors, read_torch_state, write_tensors, write_torch_state
 from omni_core.config import OmniFlowConfig, config_from_dict
+from omni_core.models.placement import module_placement, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import score_transitions
 from omni_core.rollout.trajectory import Trajectory
@@ -27,23 +34,39 @@ from omni_core.rollout.trajectory import Trajectory
 logger = logging.getLogger(__name__)
 
 
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> dict[str, float]:
+    """verl's `training/rollout_probs_diff_{max,mean}`: |rollout log-prob - recomputed old log-prob| over every
+    sample and window step; empty when the rollout did not record its log-probs (`calculate_log_probs=false`)."""
+    if not torch.isfinite(rollout_log_probs).all():
+        return {}
+    diff = (rollout_log_probs.float() - old_log_probs.float()).abs()
+    return {"training/rollout_probs_diff_max": diff.max().item(), "training/rollout_probs_diff_mean": diff.mean().item()}
+
+
 class TrainingActor:
     """The trained policy + optimizer. Created once per run from the flow process (as a Ray actor)."""
 
-    def __init__(self, config: dict[str, Any], total_training_steps: int, num_threads: int):
+    def __init__(self, config: dict[str, Any], total_training_steps: int, num_threads: int, text_encoders: bool = False):
+        """`text_encoders=True` keeps the pipeline's text encoders loaded, for in-process use that also samples
+        with this policy (benchmarks/plain_loop.py); the Ray actor reads prompt embeddings from trajectories."""
         torch.set_num_threads(num_threads)
         self.config: OmniFlowConfig = config_from_dict(config)
         self.total_training_steps = total_training_steps
+        self.text_encoders = text_encoders
         self._build()
 
     def _build(self) -> None:
         arr = self.config.actor_rollout_ref
         torch.manual_seed(self.config.actor_rollout_ref.actor.data_loader_seed)  # LoRA init is random
-        self.policy = FlowPolicy.from_model_config(arr.model)
+        kwargs = training_policy_kwargs(self.config) | {"text_encoders": self.text_encoders}
+        self.policy = FlowPolicy.from_model_config(arr.model, **kwargs)
         if arr.actor.use_kl_loss:
             self.policy.ensure_reference()
         self.optimizer = build_optimizer(arr.actor.optim, self.policy.trainable_parameters())
         self.lr_scheduler = build_lr_scheduler(arr.actor.optim, self.optimizer, self.total_training_steps)
+        # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
+        fp16 = self.policy.compute_dtype == torch.float16 or self.policy.dtype == torch.float16
+        self.grad_scaler = torch.amp.GradScaler(self.policy.device.type) if fp16 else None
         self.version = 0  # the global step whose update produced the current weights
 
     # ------------------------------------------------------------------------------- state
@@ -53,6 +76,10 @@ class TrainingActor:
     def pid(self) -> int:
         """The actor's process id (for observability and fault-injection tests)."""
         return os.getpid()
+
+    def placement(self) -> dict[str, Any]:
+        """Where the policy's modules are and in what dtype (for the placement tests and the dashboard)."""
+        return module_placement(self.policy)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """What the rollout side needs to follow the policy (full state, or the LoRA adapter)."""
@@ -70,6 +97,8 @@ class TrainingActor:
         self.policy.load_trainable_state(read_tensors(actor, "model"))
         self.optimizer.load_state_dict(read_torch_state(actor, "optimizer"))
         self.lr_scheduler.load_state_dict(read_torch_state(actor, "lr_scheduler"))
+        if self.grad_scaler is not None and (actor / "grad_scaler.pt").is_file():
+            self.grad_scaler.load_state_dict(read_torch_state(actor, "grad_scaler"))
         self.version = int(read_torch_state(actor, "version")["version"])
         return self.version
 
@@ -82,6 +111,8 @@ class TrainingActor:
         if "optimizer" in contents:
             written.append(write_torch_state(actor, "optimizer", self.optimizer.state_dict()))
             written.append(write_torch_state(actor, "lr_scheduler", self.lr_scheduler.state_dict()))
+            if self.grad_scaler is not None:
+                written.append(write_torch_state(actor, "grad_scaler", self.grad_scaler.state_dict()))
         written.append(write_torch_state(actor, "version", {"version": self.version}))
         # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained.
         self.policy.save_pretrained(actor / "hf")
@@ -118,14 +149,35 @@ class TrainingActor:
 
     @torch.no_grad()
     def _old_log_probs(self, traj: Trajectory) -> torch.Tensor:
-        """Old log-probs `[B, W]`, micro-batch by micro-batch as the update will see them."""
-        micro = self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        """Old log-probs `[B, W]` in micro-batches of `rollout.log_prob_micro_batch_size_per_gpu` (default: the
+        update's own micro-batch, so that the first on-policy ratio is exactly 1 in fp32)."""
+        arr = self.config.actor_rollout_ref
+        micro = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
         out = torch.empty_like(traj.log_probs)
-        for start in range(0, traj.batch_size, micro):
-            idx = torch.arange(start, min(start + micro, traj.batch_size))
+        for idx in torch.arange(traj.batch_size).split(micro):
             part = traj.index_select(idx)
             for j in range(traj.window_size):
                 out[idx, j] = self._score(part, j)[0].float().cpu()
+        bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
+        if bad:
+            dtype = arr.actor.fsdp_config.dtype
+            raise RuntimeError(
+                f"the recomputed old log-probs of samples {bad[:8]} are not finite (training compute dtype "
+                f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}); train in float32 or bfloat16, or lower the learning rate"
+            )
+        return out
+
+    @torch.no_grad()
+    def _reference_means(self, traj: Trajectory) -> torch.Tensor:
+        """The reference policy's transition means `[B, W, *latent]` (for the KL term), in micro-batches of
+        `ref.log_prob_micro_batch_size_per_gpu` (default: the update's micro-batch), as verl's ref pass."""
+        arr = self.config.actor_rollout_ref
+        micro = arr.ref.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+        out = torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32)
+        for idx in torch.arange(traj.batch_size).split(micro):
+            part = traj.index_select(idx)
+            for j in range(traj.window_size):
+                out[idx, j] = self._score(part, j, use_reference=True)[1].float().cpu()
         return out
 
     def train_step(self, partition: str, keys: list[str], advantages: torch.Tensor, global_step: int) -> dict[str, float]:
@@ -143,17 +195,16 @@ class TrainingActor:
         t0 = time.perf_counter()
         bypass = self.config.algorithm.rollout_correction.bypass_mode
         old = traj.log_probs if bypass else self._old_log_probs(traj)
+        drift = {} if bypass else rollout_probs_diff(traj.log_probs, old)
+        ref_means = self._reference_means(traj) if self.config.actor_rollout_ref.actor.use_kl_loss else None
         t1 = time.perf_counter()
-
-        use_kl = self.config.actor_rollout_ref.actor.use_kl_loss
 
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
             part = traj.index_select(mb["sample"])
             log_prob, mean, std = self._score(part, j)
             ref_mean = None
-            if use_kl:  # the reference policy's mean of the same transition (no gradient)
-                with torch.no_grad():
-                    ref_mean = self._score(part, j, use_reference=True)[1]
+            if ref_means is not None:  # the reference policy's mean of the same transition (no gradient)
+                ref_mean = ref_means[mb["sample"], j].to(mean.device)
             return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
 
         # ppo_update slices every tensor by sample; `sample` tells step_fn which trajectory rows it got.
@@ -166,7 +217,9 @@ class TrainingActor:
             batch,
             step_fn=step_fn,
             cfg=self._update_config(global_step),
+            scaler=self.grad_scaler,
         )
+        metrics.update(drift)
         self.policy.transformer.eval()
         self.version = global_step
         t2 = time.perf_counter()

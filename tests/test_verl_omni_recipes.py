@@ -1,0 +1,145 @@
+"""verl-omni's flowgrpo v1 recipes, carried over unchanged, through `omniflow validate`.
+
+`tests/data/verl_omni_recipes/<name>.txt` holds the key=value arguments of a verl-omni recipe's
+`main_diffusion_v1` command, one per line, exactly as the shell passes them (see each file's header for
+its source and commit). The test points the four local paths (prompt files, model, reward file) at
+files that exist here, runs the rest through the code path of `omniflow validate`, and asserts that
+exactly the documented keys are refused, each with a reason, all in one error. A key OmniFlow can do
+as it says is accepted (e.g. `data.truncation=error`, `actor.fsdp_config.model_dtype=bfloat16` under
+LoRA, `fsdp_config.param_offload=False`); the README section "verl-omni recipes: keys OmniFlow refuses"
+gives each refusal in one line.
+
+To regenerate a file from a verl-omni checkout: replace `python3 -m verl_omni.trainer.main_diffusion_v1`
+by `printf '%s\\n'` in the script (and drop its checkpoint-backend pre-flight), run it with
+`WORKSPACE='$HOME'`, and keep the header.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_core.config import ConfigError
+from omni_core.validation import prepare_run_config
+
+RECIPES = Path(__file__).parent / "data" / "verl_omni_recipes"
+
+# Refused in both recipes, with the reason in short (the error carries the full reason and the fix).
+REFUSED_IN_BOTH = {
+    "actor_rollout_ref.model.custom_chat_template",  # the raw prompt goes to the pipeline's text encoders
+    "actor_rollout_ref.model.extra_tokenizers",  # the pipeline's own tokenizers are used
+    "actor_rollout_ref.actor.strategy",  # fsdp2: OmniFlow trains with strategy=torch
+    "actor_rollout_ref.rollout.name",  # vllm_omni: OmniFlow rolls out with diffusers
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",  # vLLM-Omni knob
+    "actor_rollout_ref.rollout.load_format",  # vLLM-Omni knob
+    "actor_rollout_ref.rollout.engine_kwargs",  # vLLM-Omni knob (+...vllm_omni.max_num_seqs)
+    "actor_rollout_ref.rollout.max_prompt_embed_length",  # the encoders fix the embedding length
+    "reward.reward_model",  # a served reward model on its own pool (every reward.reward_model.* key)
+    "reward.num_workers",  # rewards are scored inside the rollout workers (streaming reward)
+    "trainer.logger",  # wandb needs a network service
+    "trainer.n_gpus_per_node",  # 2: one training rank per run (data parallelism is the scale-out issue)
+}
+
+EXPECTED_REFUSED: dict[str, set[str]] = {
+    "run_sd35_medium_ocr_lora_v1": REFUSED_IN_BOTH,
+    "run_sd35_medium_ocr_lora_v1_separate_async": REFUSED_IN_BOTH
+    | {
+        "actor_rollout_ref.rollout.mode",  # vLLM-Omni knob
+        "actor_rollout_ref.rollout.checkpoint_engine",  # weight sync to a vLLM-Omni server
+        "actor_rollout_ref.rollout.nnodes",  # 1: a standalone rollout pool (separate_async only)
+        "actor_rollout_ref.rollout.n_gpus_per_node",  # 2: the standalone pool's devices
+        "trainer.v1.trainer_mode",  # separate_async is not implemented yet
+        "trainer.v1.separate_async.num_warmup_batches",  # 0: separate_async is the async issue's work
+        "trainer.v1.separate_async.parameter_sync_step",  # 1: likewise
+        "trainer.v1.separate_async.sync_compatible",  # 1: likewise
+        "trainer.v1.sampler.max_off_policy_threshold",  # 1: sampler staleness is the async issue's work
+    },
+}
+
+# Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
+LOCAL_PATHS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "reward.custom_reward_function.path")
+
+
+def recipe_overrides(name: str) -> list[str]:
+    lines = (RECIPES / f"{name}.txt").read_text().splitlines()
+    return [line for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+")
+
+
+@pytest.fixture(scope="module")
+def local_paths(tiny_sd3_dir, tmp_path_factory) -> dict[str, str]:
+    reward = tmp_path_factory.mktemp("recipe_reward") / "genrm_ocr.py"
+    reward.write_text("def compute_score_ocr(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
+    prompts = "pkg://omni_core/assets/prompts"
+    return {
+        "data.train_files": f"{prompts}/train.txt",
+        "data.val_files": f"{prompts}/val.txt",
+        "actor_rollout_ref.model.path": str(tiny_sd3_dir),
+        "reward.custom_reward_function.path": str(reward),
+    }
+
+
+def localised(name: str, local_paths: dict[str, str]) -> list[str]:
+    out = []
+    for override in recipe_overrides(name):
+        key = _key(override)
+        out.append(f"{key}={local_paths[key]}" if key in local_paths else override)
+    return out
+
+
+def test_the_recipe_files_are_the_scripts_arguments():
+    for name in EXPECTED_REFUSED:
+        text = (RECIPES / f"{name}.txt").read_text()
+        assert f"examples/flowgrpo_trainer/sd35/{name}.sh at commit " in text.splitlines()[0]
+        keys = [_key(o) for o in recipe_overrides(name)]
+        assert len(keys) == len(set(keys)) and set(LOCAL_PATHS) <= set(keys)
+        assert all(
+            "$" not in o or o.startswith(("data.train_files=$HOME", "data.val_files=$HOME")) for o in recipe_overrides(name)
+        )
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_REFUSED))
+def test_omniflow_validate_refuses_exactly_the_documented_keys_with_reasons(name, local_paths):
+    with pytest.raises(ConfigError) as err:
+        prepare_run_config(None, localised(name, local_paths))  # what `omniflow validate` runs
+    problems = err.value.problems
+    assert {p.key for p in problems} == EXPECTED_REFUSED[name], str(err.value)
+    assert len(problems) == len(EXPECTED_REFUSED[name]), "one problem per refused key"
+    for p in problems:
+        # A reason and a way out, never a bare "unknown key".
+        assert "unknown key" not in p.message and len(p.message) > 40, str(p)
+    # Every key of the recipe that is not refused was accepted, and the refused ones name the recipe's key.
+    recipe_keys = {_key(o) for o in recipe_overrides(name)}
+    assert all(any(k == p or k.startswith(p + ".") for k in recipe_keys) for p in EXPECTED_REFUSED[name])
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_REFUSED))
+def test_the_recipe_validates_once_the_refused_keys_are_removed(name, local_paths):
+    """Nothing else in the recipe is a problem: without the refused keys (strategy, rollout name, logger,
+    device counts and trainer mode set back to OmniFlow's values) the config passes, and the keys it
+    carries over keep their recipe values."""
+    kept = [
+        o
+        for o in localised(name, local_paths)
+        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
+    ]
+    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    arr = config.actor_rollout_ref
+    assert arr.actor.fsdp_config.model_dtype == "bfloat16" and arr.model.lora_rank == 32
+    assert arr.rollout.log_prob_micro_batch_size_per_gpu == 8 and config.trainer.log_val_generations == 8
+    assert config.data.truncation == "error" and arr.rollout.algo.sde_type == "cps"
+
+
+def test_the_omniflow_command_reports_every_refused_key_in_one_error(local_paths, capsys):
+    from omniflow.flows.cli import main
+
+    name = "run_sd35_medium_ocr_lora_v1_separate_async"
+    assert main(["validate", *localised(name, local_paths)]) == 2
+    err = capsys.readouterr().err
+    n = len(EXPECTED_REFUSED[name])
+    assert f"invalid OmniFlow config ({n} problems)" in err
+    assert all(f"  - {key}" in err for key in EXPECTED_REFUSED[name])
