@@ -40,8 +40,15 @@ class ArchAdapter:
 
     def __init__(self, pipe: DiffusionPipeline):
         self.pipe = pipe
-        self.vae_scale_factor = int(pipe.vae_scale_factor)
-        self.latent_channels = int(pipe.vae.config.latent_channels)
+
+    # Read when needed: a pipeline loaded only to embed prompts has no VAE.
+    @property
+    def vae_scale_factor(self) -> int:
+        return int(self.pipe.vae_scale_factor)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.pipe.vae.config.latent_channels)
 
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         f = self.vae_scale_factor

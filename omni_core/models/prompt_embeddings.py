@@ -100,11 +100,8 @@ def _text_only_adapter(model_path: Path, architecture: str | None, device: str, 
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False).eval()
-    # ArchAdapter.__init__ reads the VAE (latent grid), which is not loaded here; encode() needs only
-    # the pipeline's text side, so the adapter is made without it and its encode() is the one policies use.
-    adapter = ADAPTERS[name].__new__(ADAPTERS[name])
-    adapter.pipe = pipe
-    return adapter
+    # encode() needs only the pipeline's text side: the same adapter (and encode) that policies use.
+    return ADAPTERS[name](pipe)
 
 
 @torch.no_grad()
