@@ -9,11 +9,15 @@ Stopping it (Ctrl-C, SIGTERM) leaves the deployments and their schedules active 
 is off): the next `serve` picks the schedule up again, and the UI never shows a nightly paused by a
 restart. Without `PREFECT_API_URL` it starts the embedded local Prefect API first (as `omniflow train`
 does) and keeps it for as long as it serves.
+
+Served runs import reward files only from OmniFlow's `examples/rewards` and the folders named by
+`--allow-reward-dir` / `OMNIFLOW_ALLOWED_REWARD_DIRS` (a reward file is code; see README "Security").
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,7 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("names", nargs="*", help="deployments to serve (default: all in the file)")
     parser.add_argument("--file", default=str(DEPLOYMENTS_FILE), help="a prefect.yaml (default: OmniFlow's own)")
     parser.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
+    parser.add_argument(
+        "--allow-reward-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder whose reward files the served runs may import (repeatable; added to OMNIFLOW_ALLOWED_REWARD_DIRS; "
+        "by default only OmniFlow's examples/rewards): reward files run code, and anyone who can reach the Prefect "
+        "API can trigger a run",
+    )
     return parser
+
+
+def allow_reward_dirs(dirs: Sequence[str]) -> None:
+    """Add `dirs` (absolute) to this process's OMNIFLOW_ALLOWED_REWARD_DIRS, which every served run inherits."""
+    from omni_core.validation.rewards import ALLOWED_REWARD_DIRS_ENV
+
+    current = [d for d in os.environ.get(ALLOWED_REWARD_DIRS_ENV, "").split(os.pathsep) if d]
+    os.environ[ALLOWED_REWARD_DIRS_ENV] = os.pathsep.join([*current, *(str(Path(d).expanduser().resolve()) for d in dirs)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from omniflow.flows.runner import prefect_api, prepare_process
 
+    allow_reward_dirs(ns.allow_reward_dir)
     prepare_process()
     with prefect_api("omniflow serve") as api:
         print(f"omniflow serve: deployments: {', '.join(s['name'] for s in specs)}", flush=True)

@@ -40,12 +40,14 @@ from omniflow.tasks.validate_config import validate_config
 from prefect import flow, runtime
 from prefect.artifacts import create_progress_artifact
 from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
 from pydantic import BaseModel, Field
 
 from omni_core.checkpoint import RunLock
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.records import EpochResult, RunInfo
+from omni_core.validation.paths import validate_resume
 
 # `.result()` of an epoch is bounded too; a hung epoch fails the run instead of holding it forever.
 EPOCH_RESULT_TIMEOUT_S = 6 * 3600
@@ -97,7 +99,9 @@ def fit(
     )
     results = []
     for epoch in range(start_epoch, end_epoch):
-        future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
+        # Ray's own task retries stay off: Prefect's (from the last checkpoint, infrastructure failures only) are the only ones.
+        with remote_options(max_retries=0):
+            future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
         results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
         publish_reward_curve(run, results, end_epoch)
     return results
@@ -126,9 +130,12 @@ def main_diffusion_v1(
     cfg = validate_config(config, overrides, config_files, run_stamp() if new_experiment_per_run else None)
     run = make_run_info(cfg)
     with RunLock(run.checkpoint_dir, run.run_id):
-        owns_ray = init_transfer_queue(cfg)
-        trainer = None
+        # The resume point (manifest sizes, optimizer saved, same model / LoRA / dtype / world size) is checked
+        # once this run holds the folder, before Ray starts; the trainer hashes every byte when it loads it.
+        validate_resume(cfg)
+        owns_ray, trainer = False, None
         try:
+            owns_ray = init_transfer_queue(cfg)
             tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
             train, val = prepare_dataset(cfg.data, tokenizer)
             embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)

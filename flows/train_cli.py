@@ -35,7 +35,7 @@ def _report(result: Any) -> None:
     if result.final_metrics == {} and result.global_step > 0:
         print(
             f"  nothing to train: resumed at step {result.global_step}, the end of this experiment; start a new one "
-            f"with trainer.experiment_name=<name> or trainer.resume_mode=disable"
+            f"with trainer.experiment_name=<name>"
         )
     print(f"  run id:           {result.run_id}")
     print(f"  steps trained:    {result.global_step}")

@@ -11,6 +11,7 @@ task on any Ray worker (`attach`), and stopped by `close`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
@@ -27,6 +28,9 @@ class AgentLoopManager:
         self.names = names
         self._inflight: list[ray.ObjectRef] = []
         self._logs: list[LogLine] = []
+        # The last weights pushed (an ObjectRef or a state dict) and their version: a worker that Ray restarted
+        # after its process died comes back with the base weights and gets them again before it samples.
+        self._weights: tuple[Any, int] | None = None
 
     @classmethod
     def create(
@@ -43,10 +47,12 @@ class AgentLoopManager:
         from omni_core.workers.rollout_worker import RolloutWorker  # diffusers: only where workers start
 
         remote = ray.remote(RolloutWorker)
+        # get_if_exists: a retried init_agent_loop reuses the workers its failed try started (they get the
+        # current weights next) instead of failing on "name already taken".
         workers = [
-            remote.options(name=names.rollout_worker(i), namespace=names.namespace, max_restarts=max_restarts, **opts).remote(
-                config, i, num_threads, prompt_embeddings
-            )
+            remote.options(
+                name=names.rollout_worker(i), namespace=names.namespace, max_restarts=max_restarts, get_if_exists=True, **opts
+            ).remote(config, i, num_threads, prompt_embeddings)
             for i, opts in enumerate(options)
         ]
         ray.get([w.ping.remote() for w in workers], timeout=600)
@@ -60,6 +66,7 @@ class AgentLoopManager:
     def generate_sequences(self, request: RolloutRequest, chunk_size: int | None = None) -> None:
         """Dispatch the request (non-blocking): one contiguous part per worker, or chunks of at most
         `chunk_size` prompts dealt round-robin (`data.gen_batch_size` / `data.val_batch_size`)."""
+        self._resync_restarted_workers()
         for worker, calls in zip(self.workers, request.assign(len(self.workers), chunk_size), strict=True):
             self._inflight.extend(worker.generate.remote(part) for part in calls)
 
@@ -80,7 +87,26 @@ class AgentLoopManager:
 
     def update_weights(self, weights: Any, version: int, timeout_s: float = 600) -> None:
         """Push the trained weights (an ObjectRef or a state dict) to every rollout worker."""
+        self._weights = (weights, version)
         ray.get([w.set_weights.remote(weights, version) for w in self.workers], timeout=timeout_s)
+
+    def _resync_restarted_workers(self, timeout_s: float = 600) -> None:
+        """Give the last pushed weights again to a worker whose version differs (Ray restarted it after its
+        process died: it reloaded the base model), so that no sample comes from the wrong weights."""
+        if self._weights is None:
+            return
+        weights, version = self._weights
+        versions = ray.get([w.get_version.remote() for w in self.workers], timeout=timeout_s)
+        stale = [i for i, v in enumerate(versions) if v != version]
+        if stale:
+            ray.get([self.workers[i].set_weights.remote(weights, version) for i in stale], timeout=timeout_s)
+            self._logs.extend(
+                (
+                    logging.WARNING,
+                    f"rollout worker {i} was restarted (weights at version {versions[i]}): weights {version} sent again",
+                )
+                for i in stale
+            )
 
     def close(self) -> None:
         """Stop the rollout workers (Ray does not restart them)."""

@@ -39,15 +39,23 @@ def export_checkpoint(base_model_dir: str | Path, checkpoint: str | Path, out_di
     """Write the checkpoint's transformer (full) or adapter (LoRA) to ``out_dir``; returns what was written.
 
     An earlier export in ``out_dir`` (it has ``export_info.json``) is replaced, so a re-export never mixes
-    files of two checkpoints; any other non-empty folder is refused rather than deleted.
+    files of two checkpoints; any other non-empty folder is refused rather than deleted, and so is a folder
+    that is, contains or sits inside the base model or the checkpoint (even one holding ``export_info.json``).
     """
     base, ckpt, out = Path(base_model_dir).resolve(), Path(checkpoint).resolve(), Path(out_dir).resolve()
     hf = ckpt / ACTOR_DIR / HF_DIR
     if not hf.is_dir():
         raise FileNotFoundError(f"checkpoint={ckpt}: no {ACTOR_DIR}/{HF_DIR} folder; pass a global_step_N checkpoint folder")
     read_model_index(base)  # a clear error if the base is not a diffusers pipeline folder
-    if out in (base, ckpt) or base in out.parents or ckpt in out.parents:
-        raise ValueError(f"export_dir={out} must not be inside the base model or the checkpoint")
+    # An export replaces its target folder: it must neither be, hold, nor sit inside the base model or the
+    # checkpoint (paths resolved, so a symlink cannot hide either).
+    for name, folder in (("base model", base), ("checkpoint", ckpt)):
+        if out == folder or out in folder.parents or folder in out.parents:
+            raise ValueError(
+                f"export_dir={out} {'is' if out == folder else 'contains' if out in folder.parents else 'is inside'} "
+                f"the {name} folder {folder}; replacing it would delete or mix with it. Choose an export folder "
+                f"outside both the base model ({base}) and the checkpoint ({ckpt})"
+            )
     if out.exists() and any(out.iterdir()) and not (out / INFO_FILE).is_file():
         raise FileExistsError(f"export_dir={out} is not empty and holds no earlier export ({INFO_FILE}); choose an empty folder")
 

@@ -12,11 +12,12 @@ resource check runs before anything is submitted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +70,32 @@ def ray_init_kwargs(config: OmniFlowConfig, namespace: str = NAMESPACE) -> dict[
     return {**{k: v for k, v in local.items() if v is not None}, **kwargs}
 
 
+@contextlib.contextmanager
+def loopback_node_ip() -> Iterator[None]:
+    """Within: a local cluster started by `ray.init` gets node IP 127.0.0.1, so nothing of it listens beyond loopback.
+
+    TransferQueue's controller and storage units bind their ZMQ sockets to `ray.util.get_node_ip_address()`
+    and unpickle what arrives, with no authentication; Ray's own gRPC servers bind every interface unless the
+    node IP is 127.0.0.1. `ray.init(_node_ip_address="127.0.0.1")` does not help: Ray rewrites a loopback
+    address to the routable one (`services.resolve_ip_for_localhost`). Ray's local-only mode (what it uses on
+    macOS and Windows, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) is read when Ray is imported, so it is switched
+    on for the `ray.init` call only; the started node then keeps 127.0.0.1, and every worker learns it from
+    its raylet. Joining a cluster by address never goes through here.
+    """
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
-    """Initialise Ray for this process unless it already is; True when this call started a cluster."""
+    """Initialise Ray for this process unless it already is; True when this call started a cluster.
+
+    A cluster started here listens on loopback only (`loopback_node_ip`); a joined one as its nodes do."""
     if ray.is_initialized():
         return False
     init = config.ray_kwargs.ray_init
@@ -84,7 +109,10 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     if init.address:
         # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    ray.init(**ray_init_kwargs(config, namespace))
+        ray.init(**ray_init_kwargs(config, namespace))
+    else:
+        with loopback_node_ip():
+            ray.init(**ray_init_kwargs(config, namespace))
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     return init.address is None
@@ -132,6 +160,12 @@ def check_cluster_devices(config: OmniFlowConfig, resources: dict[str, Any] | No
         raise ConfigError(problems)
 
 
+# Whether `start_run_cluster` in this process started the Ray cluster that is still up: a retried
+# init_transfer_queue finds Ray initialised by its own earlier try, and must still report (and close) it as
+# this run's.
+_started_ray = False
+
+
 @dataclass(frozen=True)
 class RunCluster:
     """What `start_run_cluster` set up: whether this process started the Ray cluster (and so must stop
@@ -146,26 +180,31 @@ def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
 
     A failure after this call started a local cluster stops that cluster again, so a retry starts clean.
     """
+    global _started_ray
     from omni_core.tq.client import init_transfer_queue
 
-    owns_ray = connect_ray(config)
+    _started_ray = connect_ray(config) or (_started_ray and ray.is_initialized())
     try:
         check_cluster_devices(config)
         init_transfer_queue(config.transfer_queue)
     except BaseException:
-        if owns_ray:
+        if _started_ray:
             ray.shutdown()
+            _started_ray = False
         raise
-    return RunCluster(owns_ray, dashboard_url())
+    return RunCluster(_started_ray, dashboard_url())
 
 
 def close_run(trainer: Any, owns_ray: bool) -> None:
     """The end of every run, also a failed one: the trainer's actors and TQ rows (`trainer.close()`,
     when a trainer was built), the TransferQueue, and the Ray cluster when this run started it."""
+    global _started_ray
     from omni_core.tq.client import close_transfer_queue
 
     if trainer is not None and ray.is_initialized():
         trainer.close()
     close_transfer_queue()
-    if owns_ray:
+    # `_started_ray` also covers a run whose init_transfer_queue task failed after starting Ray (owns_ray unknown).
+    if owns_ray or _started_ray:
         ray.shutdown()
+        _started_ray = False

@@ -77,20 +77,31 @@ class Tracking:
         total_steps: int,
         stream: Any = None,
         console_sink: Callable[[str], None] | None = None,
+        resume_step: int | None = None,
     ):
-        """`console` lines go to `console_sink` when given, else to `stream` (default stdout)."""
+        """`console` lines go to `console_sink` when given, else to `stream` (default stdout).
+
+        `resume_step`: the step a (retried or resumed) epoch restarts from. Records of later steps, written by
+        the try that failed, are dropped (metrics.jsonl and val_generations.jsonl rewritten without them;
+        TensorBoard told with `purge_step`), so that every step ends with one record. At 0 every record goes
+        (step 0 holds validation before training, which the new try logs again).
+        """
         self.backends = list(backends)
         self.log_dir = Path(log_dir)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
         self.console_sink = console_sink
         self._tb = None
+        purge_from = None if resume_step is None else (resume_step + 1 if resume_step > 0 else 0)
         if "file" in self.backends or "tensorboard" in self.backends:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        if "file" in self.backends and purge_from is not None:
+            for path in (self.jsonl_path, self.images_jsonl_path):
+                _drop_records_from(path, purge_from)
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=purge_from)
 
     @property
     def jsonl_path(self) -> Path:
@@ -179,6 +190,20 @@ class Tracking:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_records_from(path: Path, step: int) -> None:
+    """Rewrite the JSONL file `path` without its records of `step` and later (atomically: a temporary file
+    renamed over it, so a kill mid-rewrite leaves the old file whole)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
+    if len(kept) == len([line for line in lines if line.strip()]):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, float]]:

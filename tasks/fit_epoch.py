@@ -10,6 +10,7 @@ log lines (its own and the rollout workers') go to the run's log as they happen.
 from __future__ import annotations
 
 from omniflow.tasks.publish_reports import publish_card, publish_validation_grids
+from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -27,6 +28,7 @@ from omni_core.trainers import build_diffusion_trainer
     cache_policy=NO_CACHE,
     retries=2,
     retry_delay_seconds=5,
+    retry_condition_fn=retry_infrastructure_failures,
     timeout_seconds=6 * 3600,
 )
 def fit_epoch(

@@ -4,6 +4,7 @@ this and every later stage, so a second run pointed at the same folder is refuse
 
 from __future__ import annotations
 
+from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -11,7 +12,9 @@ from omni_core.data.prompts import PromptRecord
 from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
 
 
-@task(name="init_trainer", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@task(
+    name="init_trainer", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2, retry_condition_fn=retry_infrastructure_failures
+)
 def init_trainer(
     trainer: PolicyGradientDiffusionTrainerV1, train_records: list[PromptRecord], val_records: list[PromptRecord]
 ) -> PolicyGradientDiffusionTrainerV1:

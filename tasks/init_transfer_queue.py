@@ -6,13 +6,14 @@ CPUs) and checks the cluster against the run's resource budget, so nothing is le
 
 from __future__ import annotations
 
+from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import get_run_logger, task
 
 from omni_core.config import OmniFlowConfig
 from omni_core.ray_cluster import start_run_cluster
 
 
-@task(name="init_transfer_queue", retries=2, retry_delay_seconds=2)
+@task(name="init_transfer_queue", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_infrastructure_failures)
 def init_transfer_queue(config: OmniFlowConfig) -> bool:
     """Returns True when this run started the Ray cluster (and so must shut it down)."""
     cluster = start_run_cluster(config)

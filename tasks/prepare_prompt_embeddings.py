@@ -7,10 +7,10 @@ prompts are embedded here, once, into a safetensors file that the run's workers 
 
 Cache key: the sha256 of the model's text-encoder and tokenizer files, the prompt set (the sorted unique
 texts of the train and validation prompts and negative prompts, plus ""), `model.architecture`,
-`rollout.pipeline.max_sequence_length` and `trainer.device` (embeddings computed on another kind of
-device differ in the last bits). The model path, its transformer, VAE and scheduler, and every other
+`rollout.pipeline.max_sequence_length`, `trainer.device` (embeddings computed on another kind of
+device differ in the last bits) and the OmniFlow code version (`cache_keys.code_version`). The model path, its transformer, VAE and scheduler, and every other
 field leave it valid. The file lives next to Prefect's cached results, named by the key; a cached entry
-whose file was deleted runs again.
+whose file was deleted runs again. The result Prefect stores is that path, as JSON (never a pickle).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return file_backed_key(context, key, cached_file("prompt-embeddings", key, ".safetensors"))
 
 
-@task(name="prepare_prompt_embeddings", cache_key_fn=_cache_key, persist_result=True, retries=1)
+@task(name="prepare_prompt_embeddings", cache_key_fn=_cache_key, persist_result=True, result_serializer="json", retries=1)
 def prepare_prompt_embeddings(
     actor_rollout_ref: ActorRolloutRefConfig, device: str, train: list[PromptRecord], val: list[PromptRecord]
 ) -> str:

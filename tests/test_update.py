@@ -131,8 +131,10 @@ def test_first_micro_step_is_exactly_on_policy(setup):
         "actor/kl_loss",
         "actor/grad_norm",
         "actor/lr",
+        "actor/skipped_optimizer_steps",
     }
     assert expected == set(metrics)
+    assert metrics["actor/skipped_optimizer_steps"] == 0.0
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

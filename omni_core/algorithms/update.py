@@ -33,10 +33,12 @@ from omni_core.algorithms.flow_grpo import kl_loss
 from omni_core.algorithms.registry import get_policy_loss
 
 __all__ = [
+    "NonFiniteTrainingError",
     "PPOUpdateConfig",
     "StepOutput",
     "build_lr_scheduler",
     "build_optimizer",
+    "nonfinite_metrics",
     "ppo_update",
 ]
 
@@ -84,6 +86,22 @@ class PPOUpdateConfig:
 
 
 StepFn = Callable[[dict[str, Any], int], StepOutput]
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Several training steps in a row had a non-finite loss or gradient norm (their optimizer steps were
+    skipped): the run cannot recover by itself. A config or numerics error that a retry would repeat."""
+
+
+def nonfinite_metrics(metrics: Mapping[str, float], *, scaled: bool) -> list[str]:
+    """The loss and gradient-norm metrics of one ``ppo_update`` result that are not finite.
+
+    With a gradient scaler (fp16 compute) a non-finite gradient norm alone is an overflow that the scaler
+    answers by lowering its scale (routine in the first steps); it counts only with a non-finite loss.
+    """
+    losses = [k for k in ("actor/pg_loss", "actor/kl_loss") if k in metrics and not math.isfinite(metrics[k])]
+    grad = [] if math.isfinite(metrics["actor/grad_norm"]) else ["actor/grad_norm"]
+    return [] if scaled and not losses else losses + grad
 
 
 def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
@@ -134,7 +152,8 @@ def ppo_update(
         ``actor/pg_clipfrac_higher``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
         ``actor/ratio_mean``, ``actor/ratio_std``, ``actor/kl_loss`` (0 when off); the mean over
         mini-batches of ``actor/grad_norm`` (before clipping); ``actor/lr`` used by this step;
-        ``actor/grad_scale`` after the step when a scaler is given.
+        ``actor/skipped_optimizer_steps``, how many optimizer steps were skipped for non-finite
+        gradients; ``actor/grad_scale`` after the step when a scaler is given.
     """
     loss_fn = get_policy_loss(cfg.loss_mode)
     batch_size, window = batch["old_log_probs"].shape[:2]
@@ -150,6 +169,7 @@ def ppo_update(
     sums: dict[str, Tensor] = {}
     n_terms = 0
     grad_norms: list[float] = []
+    skipped = 0
     model.train()
     optimizer.zero_grad(set_to_none=True)
     for _ in range(cfg.ppo_epochs):
@@ -188,13 +208,16 @@ def ppo_update(
                     for key, value in metrics.items():
                         sums[key] = sums[key] + value if key in sums else value
                     n_terms += 1
-            grad_norms.append(_optimizer_step(optimizer, params, cfg.grad_clip, scaler))
+            grad_norm, applied = _optimizer_step(optimizer, params, cfg.grad_clip, scaler)
+            grad_norms.append(grad_norm)
+            skipped += not applied
     if lr_scheduler is not None:
         lr_scheduler.step()
 
     result = {f"actor/{key}": float(value) / max(n_terms, 1) for key, value in sums.items()}
     result["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     result["actor/lr"] = lr
+    result["actor/skipped_optimizer_steps"] = float(skipped)
     if scaler is not None:
         result["actor/grad_scale"] = float(scaler.get_scale())
     return result
@@ -202,8 +225,8 @@ def ppo_update(
 
 def _optimizer_step(
     optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float, scaler: torch.amp.GradScaler | None = None
-) -> float:
-    """Clip, step and zero the grads; returns the pre-clip global grad norm.
+) -> tuple[float, bool]:
+    """Clip, step and zero the grads; returns the pre-clip global grad norm and whether the step was applied.
 
     A non-finite norm skips the step (as verl's actors do) instead of writing nan into the weights; with
     a scaler (fp16) that is an overflow, after which the scaler lowers its scale.
@@ -212,15 +235,16 @@ def _optimizer_step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    applied = math.isfinite(grad_norm)
     if scaler is not None:
         scaler.step(optimizer)  # skips the step itself when the unscaled gradients are not finite
         scaler.update()
-    elif math.isfinite(grad_norm):
+    elif applied:
         optimizer.step()
     else:
         logger.warning("grad_norm is %s; skipping this optimizer step", grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, applied
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,14 +18,25 @@ from omni_core.checkpoint.files import (
 )
 from omni_core.checkpoint.layout import CheckpointError, complete_steps, read_latest_step, step_dir, step_of
 from omni_core.checkpoint.lock import RunLock, RunLockError, read_lock
-from omni_core.checkpoint.resume import apply_retention, cleanup_partial, find_latest, resolve_resume
+from omni_core.checkpoint.resume import (
+    apply_retention,
+    choose_resume,
+    cleanup_partial,
+    find_latest,
+    resolve_resume,
+    resume_point,
+)
 from omni_core.checkpoint.rng import capture_rng_state, restore_rng_state
 from omni_core.checkpoint.writer import (
     CheckpointWriter,
+    DiskFullError,
     begin,
+    check_free_space,
     checkpoint_summary,
     commit,
+    disk_full_guard,
     read_manifest,
+    run_id_of,
     verify_checkpoint,
     write_latest,
 )
@@ -33,16 +44,20 @@ from omni_core.checkpoint.writer import (
 __all__ = [
     "CheckpointError",
     "CheckpointWriter",
+    "DiskFullError",
     "RunLock",
     "RunLockError",
     "actor_dir",
     "apply_retention",
     "begin",
     "capture_rng_state",
+    "check_free_space",
     "checkpoint_summary",
+    "choose_resume",
     "cleanup_partial",
     "commit",
     "complete_steps",
+    "disk_full_guard",
     "find_latest",
     "read_config",
     "read_latest_step",
@@ -53,6 +68,8 @@ __all__ = [
     "read_torch_state",
     "resolve_resume",
     "restore_rng_state",
+    "resume_point",
+    "run_id_of",
     "step_dir",
     "step_of",
     "verify_checkpoint",

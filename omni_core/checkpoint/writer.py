@@ -4,15 +4,24 @@ A checkpoint becomes visible only by renaming a complete, fsynced folder to `glo
 `latest_checkpointed_iteration.txt` is rewritten (tmp file + os.replace) only after that, so a crash at
 any point leaves `latest` naming the previous complete checkpoint (verl writes into the final folder
 directly; a crash there leaves a half checkpoint that `auto` resume would pick up).
+
+Nothing saved is lost: `commit` never replaces a complete checkpoint of another run (the `run_id` in its
+`controller.json`) and never moves `latest` backwards. A full disk is found before writing when possible
+(free space against the last checkpoint's size) and otherwise when a write fails with ENOSPC: either way
+the temp folder is removed and `DiskFullError` names the folder, the free and the needed bytes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,22 +32,110 @@ from omni_core.checkpoint.layout import (
     MANIFEST_FILE,
     TMP_PREFIX,
     CheckpointError,
+    complete_steps,
+    is_complete,
     read_latest_step,
     step_dir,
     tmp_dir,
 )
 
+log = logging.getLogger(__name__)
+
 MANIFEST_FORMAT = "omniflow-checkpoint/1"
+CONTROLLER_STATE = "controller"  # <ckpt>/controller.json: global_step and the run_id that wrote it
+# Free space asked beyond the estimate: metadata, the manifest, and a checkpoint a little larger than the last.
+SPACE_MARGIN = 1.1
 
 
-def begin(root: str | Path, step: int) -> Path:
-    """A fresh temp folder inside `root` (same filesystem, so the final rename is atomic)."""
+class DiskFullError(CheckpointError):
+    """Not enough free space for a checkpoint; the message names the folder, the free and the needed bytes."""
+
+    errno = errno.ENOSPC
+
+
+def _free_bytes(folder: str | Path) -> int:
+    """Free bytes on the filesystem of `folder`, or of its nearest existing parent (not created yet)."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_full_error(folder: str | Path, needed: int | None) -> DiskFullError:
+    free = _free_bytes(folder)
+    need = f"about {needed:,} bytes are needed" if needed else "the write ran out of space"
+    return DiskFullError(
+        f"not enough free space in {folder} for a checkpoint: {free:,} bytes free, {need}. The previous checkpoint "
+        f"is intact. Free space there (or lower trainer.max_actor_ckpt_to_keep, or point trainer.default_local_dir "
+        f"at a larger disk), then run the same command again to resume",
+    )
+
+
+def check_free_space(folder: str | Path, needed: int) -> None:
+    """Raise `DiskFullError` unless `folder`'s filesystem has `needed` bytes (times a margin) free."""
+    if needed > 0 and _free_bytes(folder) < needed * SPACE_MARGIN:
+        raise disk_full_error(folder, int(needed * SPACE_MARGIN))
+
+
+@contextmanager
+def disk_full_guard(folder: str | Path, cleanup: Path | None = None, needed: int | None = None) -> Iterator[None]:
+    """Turn ENOSPC inside the block into `DiskFullError` (removing `cleanup`, a partial temp folder, first)."""
+    try:
+        yield
+    except Exception as exc:  # safetensors raises a plain SafetensorError, torch.save a RuntimeError
+        if not _out_of_space(exc, folder):
+            raise
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise disk_full_error(folder, needed) from exc
+
+
+def _out_of_space(exc: BaseException, folder: str | Path) -> bool:
+    """ENOSPC, said as an errno or in the text of a library's own error; torch.save only says "file write
+    failed", so a write error on a filesystem left with under 1 MiB free counts too."""
+    if getattr(exc, "errno", None) == errno.ENOSPC or "os error 28" in str(exc) or "No space left" in str(exc):
+        return True
+    try:
+        return _free_bytes(folder) < (1 << 20)
+    except OSError:
+        return False
+
+
+def last_checkpoint_bytes(root: str | Path) -> int:
+    """The size of the newest complete checkpoint under `root` (from its manifest), 0 when there is none."""
+    steps = complete_steps(root)
+    if not steps:
+        return 0
+    try:
+        return int(read_manifest(steps[max(steps)])["total_bytes"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def run_id_of(ckpt: str | Path) -> str | None:
+    """The run that wrote `ckpt` (its controller.json `run_id`), or None when not recorded or unreadable."""
+    try:
+        state = json.loads((Path(ckpt) / f"{CONTROLLER_STATE}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state.get("run_id") if isinstance(state, dict) else None
+
+
+def begin(root: str | Path, step: int, needed_bytes: int | None = None) -> Path:
+    """A fresh temp folder inside `root` (same filesystem, so the final rename is atomic).
+
+    Refuses (`DiskFullError`) when the filesystem lacks `needed_bytes`, by default the size of the last
+    checkpoint under `root` (a new checkpoint is written before retention deletes an old one).
+    """
     if int(step) < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    check_free_space(root, last_checkpoint_bytes(root) if needed_bytes is None else needed_bytes)
     tmp = tmp_dir(root, step)
     if tmp.exists():  # a save of the same step in this process that never committed
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    with disk_full_guard(root, cleanup=tmp):
+        tmp.mkdir(parents=True)
     return tmp
 
 
@@ -48,20 +145,45 @@ def commit(root: str | Path, tmp: str | Path, step: int) -> Path:
     if not tmp.is_dir() or tmp.parent.resolve() != root.resolve():
         raise CheckpointError(f"{tmp}: not a checkpoint temp folder inside {root}; create it with begin(root, step)")
     final = step_dir(root, step)
-    write_manifest(tmp, step)
-    _fsync_tree(tmp)
+    with disk_full_guard(root, cleanup=tmp):
+        write_manifest(tmp, step)
+        _fsync_tree(tmp)
     if final.exists():
-        # Left by an attempt that renamed but crashed before updating `latest` (so `latest` is older and
-        # nothing resumes from it); a retry recomputes the same step, and the new copy replaces it.
-        if read_latest_step(root) == step:
-            raise CheckpointError(f"{final} is the latest checkpoint and already exists; refusing to overwrite it")
+        _check_replaceable(root, tmp, final, step)
         aside = root / f"{TMP_PREFIX}replaced_{final.name}_{os.getpid()}"
         os.rename(final, aside)
         shutil.rmtree(aside)
     os.rename(tmp, final)
     _fsync_dir(root)
-    write_latest(root, step)
+    latest = read_latest_step(root)
+    if latest is not None and latest > step and is_complete(step_dir(root, latest)):
+        # Only a run that branched below another run's newer checkpoints gets here (validation refuses to
+        # start one); `latest` keeps naming the newest checkpoint rather than moving backwards.
+        log.warning("%s stays at step %d (newer than the step %d just saved)", root / LATEST_FILE, latest, step)
+    else:
+        with disk_full_guard(root):
+            write_latest(root, step)
     return final
+
+
+def _check_replaceable(root: Path, tmp: Path, final: Path, step: int) -> None:
+    """Refuse to replace `final` unless it is a leftover of this same run that nothing resumes from yet.
+
+    A retry that recomputes a step whose first attempt renamed but crashed before updating `latest` replaces
+    its own copy; a complete checkpoint of another run (or of unknown origin) is never replaced.
+    """
+    if read_latest_step(root) == step and is_complete(final):
+        raise CheckpointError(f"{final} is the latest checkpoint and already exists; refusing to overwrite it")
+    if not is_complete(final):
+        return  # no manifest: never a loadable checkpoint (e.g. an empty folder made by hand)
+    ours, theirs = run_id_of(tmp), run_id_of(final)
+    if ours is None or ours != theirs:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{final} already holds a checkpoint of run {theirs!r}; refusing to replace it with step {step} of run "
+            f"{ours!r}. Give the new run its own folder (a new trainer.experiment_name, or new_experiment_per_run=true) "
+            f"or continue that run with trainer.resume_mode=auto"
+        )
 
 
 def write_latest(root: str | Path, step: int) -> None:
@@ -97,21 +219,30 @@ def read_manifest(ckpt: str | Path) -> dict[str, Any]:
     path = Path(ckpt) / MANIFEST_FILE
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST_FILE}; not a complete OmniFlow checkpoint")
-    return json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["files"]  # noqa: B018  (a manifest without its file list is as unreadable as broken JSON)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc}); the checkpoint cannot be verified") from exc
+    return manifest
 
 
-def verify_checkpoint(ckpt: str | Path) -> None:
-    """Recompute every file's size and sha256 against the manifest; raises naming what differs."""
+def verify_checkpoint(ckpt: str | Path, hashes: bool = True) -> None:
+    """Check every file of the manifest: present, its size, and (with `hashes`) its sha256; raises naming each
+    file that differs and how. Hashing reads every byte (about 1 GB/s per core); sizes alone cost one stat
+    per file and already catch truncated and missing files."""
     ckpt = Path(ckpt)
     problems = []
     for entry in read_manifest(ckpt)["files"]:
         path = ckpt / entry["path"]
         if not path.is_file():
-            problems.append(f"{entry['path']} missing")
-        elif path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
-            problems.append(f"{entry['path']} changed")
+            problems.append(f"{path} is missing")
+        elif (size := path.stat().st_size) != entry["size"]:
+            problems.append(f"{path} has {size} bytes, the manifest {entry['size']} (truncated or rewritten)")
+        elif hashes and _sha256(path) != entry["sha256"]:
+            problems.append(f"{path} has a different sha256 than the manifest (corrupted)")
     if problems:
-        raise CheckpointError(f"{ckpt}: does not match its manifest ({', '.join(problems)}); resume from an older checkpoint")
+        raise CheckpointError(f"{ckpt}: does not match its manifest: {'; '.join(problems)}")
 
 
 def checkpoint_summary(ckpt: str | Path) -> dict[str, Any]:
@@ -135,26 +266,31 @@ def checkpoint_summary(ckpt: str | Path) -> dict[str, Any]:
 class CheckpointWriter:
     """`begin` + the file writers + `commit` for one step; leaving a `with` block uncommitted aborts it."""
 
-    def __init__(self, root: str | Path, step: int):
+    def __init__(self, root: str | Path, step: int, needed_bytes: int | None = None):
         self.root, self.step = Path(root), int(step)
-        self.tmp = begin(self.root, self.step)
+        self.tmp = begin(self.root, self.step, needed_bytes)
         self.path: Path | None = None  # the final folder, once committed
 
     @property
     def actor_dir(self) -> Path:
-        return files.actor_dir(self.tmp)
+        with disk_full_guard(self.root, cleanup=self.tmp):
+            return files.actor_dir(self.tmp)
 
     def write_state(self, name: str, obj: Any) -> Path:
-        return files.write_state(self.tmp, name, obj)
+        with disk_full_guard(self.root, cleanup=self.tmp):
+            return files.write_state(self.tmp, name, obj)
 
     def write_tensors(self, name: str, tensors: dict[str, Any]) -> Path:
-        return files.write_tensors(self.tmp, name, tensors)
+        with disk_full_guard(self.root, cleanup=self.tmp):
+            return files.write_tensors(self.tmp, name, tensors)
 
     def write_torch_state(self, name: str, state: dict[str, Any]) -> Path:
-        return files.write_torch_state(self.tmp, name, state)
+        with disk_full_guard(self.root, cleanup=self.tmp):
+            return files.write_torch_state(self.tmp, name, state)
 
     def write_config(self, yaml_text: str) -> Path:
-        return files.write_config(self.tmp, yaml_text)
+        with disk_full_guard(self.root, cleanup=self.tmp):
+            return files.write_config(self.tmp, yaml_text)
 
     def commit(self) -> Path:
         self.path = commit(self.root, self.tmp, self.step)

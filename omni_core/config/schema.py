@@ -168,6 +168,7 @@ class ActorConfig(ConfigModel):
     ppo_epochs: PositiveInt = _a("ppo_epochs")
     shuffle: bool = _a("shuffle")
     grad_clip: PositiveFloat = _a("grad_clip")
+    max_consecutive_nonfinite_steps: PositiveInt = _a("max_consecutive_nonfinite_steps")
     data_loader_seed: int = _a("data_loader_seed")
     optim: OptimConfig = _a.section("optim", OptimConfig)
     diffusion_loss: DiffusionLossConfig = _a.section("diffusion_loss", DiffusionLossConfig)
@@ -312,6 +313,8 @@ class RewardConfig(ConfigModel):
     reward_functions: tuple[RewardFunctionSpec, ...] = _rw("reward_functions")
     aggregation: Literal["weighted_sum"] = _rw("aggregation")
     num_workers: PositiveInt | None = _rw("num_workers")
+    max_failure_ratio: Annotated[float, Field(ge=0, le=1)] = _rw("max_failure_ratio")
+    timeout_s: PositiveFloat | None = _rw("timeout_s")
 
     @field_validator("reward_functions", mode="before")
     @classmethod

@@ -107,7 +107,7 @@ class PromptDataLoader:
             raise ValueError(
                 "the checkpointed prompt-loader state does not match this loader ("
                 + "; ".join(mismatched)
-                + "); restore the same data settings, or start a fresh run with trainer.resume_mode=disable"
+                + "); restore the same data settings, or start a new experiment (trainer.experiment_name=<new name>)"
             )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.steps_per_epoch:

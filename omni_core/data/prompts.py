@@ -83,10 +83,53 @@ def _read_file(path: Path, prompt_key: str, negative_prompt_key: str, default_so
 
 def read_text_prompts(path: Path) -> Iterator[str]:
     """Prompts of a text file: one per line, stripped; blank lines and `#` comments skipped."""
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_utf8(path).splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             yield line
+
+
+def read_utf8(path: Path) -> str:
+    """The text of a prompt file; bytes that are not UTF-8 are an error naming the file, the line and the fix."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PromptFileError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}, line {line}); save the file "
+            f"as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
+        ) from exc
+
+
+def check_prompt_file(path: Path, prompt_key: str = "prompt", negative_prompt_key: str = "negative_prompt") -> int:
+    """Check that `path` will load, cheaply, before anything expensive starts; returns its number of prompts.
+
+    Text, JSON and JSONL files are read whole (UTF-8, JSON syntax, the prompt field of every row); a parquet
+    file only by its footer (readable, has rows and a `prompt_key` column), so a large dataset costs a few kB.
+    Raises `PromptFileError` naming the file and the fix.
+    """
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq  # only when a parquet file is configured
+
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except Exception as exc:  # pyarrow raises several types for a truncated, corrupt or non-parquet file
+            raise PromptFileError(
+                f"{path}: not a readable parquet file ({exc}); rewrite it, e.g. with `omniflow make-dataset`"
+            ) from exc
+        columns = {meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)}
+        if prompt_key not in columns:
+            raise PromptFileError(
+                f"{path}: no {prompt_key!r} column (columns: {', '.join(sorted(columns)) or 'none'}); "
+                f"set data.prompt_key to the column that holds the prompt"
+            )
+        count = meta.num_rows
+    else:
+        count = sum(1 for _ in _read_file(path, prompt_key, negative_prompt_key, ""))
+    if count == 0:
+        raise PromptFileError(f"{path}: no prompts (empty file); add at least one prompt or remove the file")
+    return count
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -101,7 +144,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     if path.suffix.lower() == ".json":
         # A .json file holds one list of row objects (what `json.dump(rows)` writes).
         try:

@@ -18,8 +18,11 @@ three modes, first match wins:
 
 A reward that raises, returns NaN / inf, or returns something that is not a number marks only that
 sample as failed (score NaN, ``failed`` True, reason ``"<label>: <ExcType>: <message>"``); it never
-becomes a silent 0 and never stops the rest of the batch. The caller decides what a failed sample
-means (verl-omni evicts its group or fails the step).
+becomes a silent 0 and never stops the rest of the batch. A call that takes longer than
+``reward.timeout_s`` fails its sample with ``"timed out after N s"`` (see ``deadline`` for what happens
+to the hung call) and the term's remaining samples of that batch fail without a call, so a hung reward
+costs one timeout per batch. The trainer decides what failed samples mean (``failures``: advantage 0
+below ``reward.max_failure_ratio``, a ``RewardFailureError`` above it).
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from torch import Tensor
 
 from omni_core.config.schema import reward_entries_from_verl_mapping
 from omni_core.rewards.custom import DEFAULT_FUNCTION_NAME, load_reward_function
+from omni_core.rewards.deadline import DeadlineRunner, RewardTimeout
+from omni_core.rewards.failures import RewardFailureError
 from omni_core.rewards.registry import REWARD_FUNCTIONS, get_reward_function
 
-__all__ = ["RewardManager", "RewardResult", "RewardTerm"]
+__all__ = ["RewardFailureError", "RewardManager", "RewardResult", "RewardTerm"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,16 @@ class RewardResult:
     extras: list[dict[str, Any]]
     failed: Tensor
     reasons: list[str | None]
+
+    @classmethod
+    def all_failed(cls, n: int, reason: str) -> RewardResult:
+        """``n`` samples that all failed for one ``reason`` (e.g. the whole batch's scoring raised)."""
+        return cls(
+            scores=torch.full((n,), float("nan"), dtype=torch.float32),
+            extras=[{} for _ in range(n)],
+            failed=torch.ones(n, dtype=torch.bool),
+            reasons=[reason] * n,
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +167,7 @@ class RewardManager:
             self.terms = [RewardTerm(label=f"{Path(path).stem}.{function}", fn=fn)]
         # Per-term raw scores go into the extras only when they differ from the total.
         self._weighted = len(self.terms) > 1 or any(t.weight != 1.0 for t in self.terms)
+        self._runner = DeadlineRunner(_get(reward_cfg, "timeout_s", None))
 
     def score(
         self,
@@ -187,14 +203,19 @@ class RewardManager:
         failed = torch.zeros(n, dtype=torch.bool)
         extras: list[dict[str, Any]] = [{} for _ in range(n)]
         reasons: list[str | None] = [None] * n
+        hung: dict[str, str] = {}  # label -> why its remaining samples of this batch are not called
         for i in range(n):
             terms = self.terms or by_source[sources[i]]
             total = 0.0
             for term in terms:
                 try:
-                    value = term.fn(sources[i], images[i], truths[i], infos[i])
+                    if term.label in hung:
+                        raise RewardTimeout(hung[term.label])
+                    value = self._runner.call(term.fn, sources[i], images[i], truths[i], infos[i])
                     s, term_extras = _as_score(value)
                 except Exception as err:  # a failing reward fails its sample, not the batch
+                    if isinstance(err, RewardTimeout) and term.label not in hung:
+                        hung[term.label] = f"not called: it {err} on sample {i} of this batch"
                     reasons[i] = f"{term.label}: {type(err).__name__}: {err}"
                     failed[i] = True
                     logger.warning("reward failed for sample %d: %s", i, reasons[i])

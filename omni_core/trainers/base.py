@@ -32,17 +32,21 @@ import torch
 from omni_core import checkpoint as ckpt
 from omni_core.agent_loop import AgentLoopManager
 from omni_core.algorithms.registry import get_adv_estimator
-from omni_core.config import OmniFlowConfig, to_yaml
+from omni_core.checkpoint.compat import check_resume_config
+from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import PromptRecord
+from omni_core.faults import is_out_of_memory, out_of_memory_error
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
 from omni_core.resources import resource_plan
+from omni_core.rewards.failures import check_failure_share
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
+from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.worker_pool import actor_options, create_pool, remove_pool
 
 logger = logging.getLogger("omni_core.trainer")
@@ -133,28 +137,55 @@ class PolicyGradientDiffusionTrainerV1:
     def _init_training_actor(self) -> None:
         from omni_core.workers.training_actor import TrainingActor  # diffusers: only where the actor starts
 
+        if self.actor is not None:
+            return  # a retried init_trainer: keep the actor (and its owning handle) of the failed try; `_restore` resets it
         names, plan = self.run.names, resource_plan(self.config)
         pool = create_pool(plan, names)
         remote = ray.remote(TrainingActor)
+        # get_if_exists: an actor of this run started by another handle is reused instead of failing on
+        # "name already taken".
         self.actor = remote.options(
-            name=names.training_actor, namespace=names.namespace, max_restarts=3, **actor_options(pool, plan.training[0], plan)
+            name=names.training_actor,
+            namespace=names.namespace,
+            max_restarts=3,
+            get_if_exists=True,
+            **actor_options(pool, plan.training[0], plan),
         ).remote(self.config.model_dump(mode="json"), self.total_training_steps, cpu_threads(1))
 
     def _load_checkpoint(self) -> None:
-        """Resume point of the run (`trainer.resume_mode`); the actor is reset to it."""
+        """Resume point of the run (`trainer.resume_mode`); the actor is reset to it.
+
+        Holding the folder's RunLock (the flow takes it before this stage): `.tmp_*` leftovers of a killed save
+        are removed, the resume point is the newest checkpoint whose files match their manifest's sha256 (hashed
+        once here, never per epoch), and it must fit the current config (`checkpoint.compat`: changed model /
+        LoRA / dtype / world size are refused, changed optimizer hyperparameters are applied and logged).
+        """
         t = self.config.trainer
-        path = ckpt.resolve_resume(t.checkpoint_dir, t.resume_mode, t.resume_from_path)
+        problems = checkpoint_folder_problems(self.config)
+        if problems:
+            raise ConfigError(problems)
+        path = ckpt.resume_point(
+            t.checkpoint_dir, t.resume_mode, t.resume_from_path, log_fn=lambda m: self._log(m, logging.WARNING)
+        )
+        if path is not None:
+            for line in check_resume_config(path, self.config.model_dump(mode="json")):
+                self._log(line, logging.WARNING)
         self.resume_from = str(path) if path else None
         self._restore(self.resume_from)
 
     def init_agent_loop(self) -> AgentLoopManager:
         """verl-omni's `init_agent_loop_manager()`: the rollout workers, given the current weights."""
-        plan = resource_plan(self.config)
-        pool = create_pool(plan, self.run.names)
-        options = [actor_options(pool, slot, plan) for slot in plan.rollout]
-        self.agent_loop = AgentLoopManager.create(
-            self.config.model_dump(mode="json"), self.run.names, options, cpu_threads(len(options)), self.run.prompt_embeddings
-        )
+        if self.agent_loop is None:  # a retried init_agent_loop keeps the workers (and their owning handles) it started
+            plan = resource_plan(self.config)
+            pool = create_pool(plan, self.run.names)
+            options = [actor_options(pool, slot, plan) for slot in plan.rollout]
+            self.agent_loop = AgentLoopManager.create(
+                self.config.model_dump(mode="json"),
+                self.run.names,
+                options,
+                cpu_threads(len(options)),
+                self.run.prompt_embeddings,
+            )
         self._push_weights()
         return self.agent_loop
 
@@ -184,12 +215,15 @@ class PolicyGradientDiffusionTrainerV1:
 
     # ------------------------------------------------------------------------ restore / save
     def _latest_of_this_run(self) -> str | None:
-        """The newest checkpoint written by this run, else the run's resume point."""
-        latest = ckpt.find_latest(self.config.trainer.checkpoint_dir)
-        if latest is not None:
-            state = ckpt.read_state(latest, "controller")
-            if state.get("run_id") == self.run.run_id or str(latest) == self.resume_from:
-                return str(latest)
+        """The newest checkpoint written by this run, else the run's resume point.
+
+        Read from each checkpoint's controller state, not `latest`: a folder may also hold older runs'
+        checkpoints. Not re-hashed: this run wrote and sealed them (the resume point was hashed at start).
+        """
+        steps = ckpt.complete_steps(self.config.trainer.checkpoint_dir)
+        for step in sorted(steps, reverse=True):
+            if ckpt.run_id_of(steps[step]) == self.run.run_id:
+                return str(steps[step])
         return self.resume_from
 
     def _await_actors(self, timeout_s: float = ACTOR_RESTART_TIMEOUT_S) -> None:
@@ -231,6 +265,8 @@ class PolicyGradientDiffusionTrainerV1:
     def _save_checkpoint(self) -> str:
         t = self.config.trainer
         root = t.checkpoint_dir
+        # Checks free space first (the last checkpoint's size; the actor checks its state dicts' size) and
+        # turns ENOSPC into a DiskFullError naming the folder; the temp folder is removed either way.
         with ckpt.CheckpointWriter(root, self.global_step) as writer:
             ray.get(self.actor.save.remote(str(writer.tmp)), timeout=ACTOR_CALL_TIMEOUT_S)
             assert self.dataloader is not None
@@ -241,7 +277,7 @@ class PolicyGradientDiffusionTrainerV1:
             path = writer.commit()
         # Never delete the checkpoint a running epoch may restart from (its start).
         epoch_start = (self.global_step - 1) // self.steps_per_epoch * self.steps_per_epoch
-        ckpt.apply_retention(root, t.max_actor_ckpt_to_keep, protect={epoch_start})
+        ckpt.apply_retention(root, t.max_actor_ckpt_to_keep, protect={epoch_start}, run_id=self.run.run_id)
         self._log(f"checkpoint saved: {path}")
         return str(path)
 
@@ -267,6 +303,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.run.log_dir,
             self.total_training_steps,
             console_sink=self._log if self.log_callback is not None else None,
+            resume_step=self.global_step,  # a retried epoch replaces the records its failed try wrote
         )
         try:
             if self.config.trainer.val_only:
@@ -280,7 +317,12 @@ class PolicyGradientDiffusionTrainerV1:
                     self.tracking.log(result.val_metrics, step=0)
             last_step = min((epoch + 1) * self.steps_per_epoch, self.total_training_steps)
             while self.global_step < last_step:
-                metrics = self.step()
+                try:
+                    metrics = self.step()
+                except Exception as exc:
+                    if is_out_of_memory(exc):  # the same settings would fail the same way: say what to change
+                        raise out_of_memory_error(self.config, exc, f"step {self.global_step}") from exc
+                    raise
                 result.step_metrics.append(metrics)
             result.checkpoint = self._save_checkpoint()
             if self.global_step >= self.total_training_steps:
@@ -311,6 +353,12 @@ class PolicyGradientDiffusionTrainerV1:
             rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
             with timer("adv"):
                 rewards, failed, group = rows["rewards"].float(), rows["failed"].bool(), rows["prompt_index"].long()
+                # Too many failed rewards: fail the step before any update (RewardFailureError, not retried).
+                num_failed = int(failed.sum())
+                check_failure_share(
+                    num_failed, len(keys), self.config.reward.max_failure_ratio, list(batch.failed_uids.values()), step=step
+                )
+                # Failed samples: advantage 0 (no policy gradient) and left out of the group statistics.
                 advantages = torch.zeros_like(rewards)
                 ok = ~failed
                 estimator = get_adv_estimator(self.config.algorithm.adv_estimator)
@@ -327,6 +375,7 @@ class PolicyGradientDiffusionTrainerV1:
                 timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")
             metrics: dict[str, float] = {**actor_metrics, **data_metrics(rewards[ok], advantages[ok], group[ok])}
             metrics["training/rollout_failure/failed_groups"] = float(len(batch.failed_uids))
+            metrics["training/rollout_failure/failed_samples"] = float(num_failed)
             if t.save_freq > 0 and step % t.save_freq == 0 and step % self.steps_per_epoch:
                 with timer("save_checkpoint"):
                     self._save_checkpoint()
@@ -357,6 +406,8 @@ class PolicyGradientDiffusionTrainerV1:
         batch = buffer.sample(len(request.items), step, n)
         for uid, reason in batch.failed_uids.items():
             self._log(f"step {step}: prompt group {uid} failed: {reason}", logging.WARNING)
+        # Reward failures still write their rows (checked in `step` against reward.max_failure_ratio); missing
+        # rows mean the generation itself failed.
         if len(batch.trajectory_keys) != request.num_samples:
             raise RuntimeError(
                 f"step {step}: rollout returned {len(batch.trajectory_keys)} of {request.num_samples} samples; failed groups: "

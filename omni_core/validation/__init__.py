@@ -16,7 +16,8 @@ The rules live in one module per group, found by name:
   trainer_modes   registered modes, separate_async's requirements
   devices         devices requested vs present, the ray.init arguments, the run's Ray CPU / GPU budget
   paths           experiment names, the resume path, the model folder, prompt files
-  rewards         built-in reward names and reward files
+  data_files      prompt-file contents (UTF-8, JSON rows, a parquet footer with the prompt column)
+  rewards         built-in reward names and reward files (parsed, never executed)
   tracking        trainer.logger backends and the packages they need
   attention       the actor / rollout attention-backend pair
 
@@ -33,6 +34,7 @@ from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig, resolve
 from omni_core.validation.algorithm import algorithm_problems
 from omni_core.validation.attention import attention_problems, validate_attention_consistency
 from omni_core.validation.batch_sizes import batch_size_problems
+from omni_core.validation.data_files import data_file_problems
 from omni_core.validation.devices import device_problems
 from omni_core.validation.paths import path_problems
 from omni_core.validation.precision import precision_problems
@@ -51,8 +53,13 @@ __all__ = [
 ]
 
 
-def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None = None) -> list[ConfigProblem]:
-    """Every cross-field problem of `config` (empty when it is valid), group by group."""
+def config_problems(
+    config: OmniFlowConfig,
+    device_counts: dict[str, int] | None = None,
+    allowed_reward_dirs: Sequence[str | Path] | None = None,
+) -> list[ConfigProblem]:
+    """Every cross-field problem of `config` (empty when it is valid), group by group; `allowed_reward_dirs`:
+    see `prepare_run_config`."""
     return [
         *refused_value_problems(config),
         *trainer_mode_problems(config),
@@ -62,7 +69,8 @@ def config_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
         *precision_problems(config),
         *device_problems(config, device_counts),
         *path_problems(config),
-        *reward_problems(config),
+        *data_file_problems(config),
+        *reward_problems(config, allowed_reward_dirs),
         *tracking_problems(config),
         *attention_problems(config),
     ]
@@ -80,12 +88,15 @@ def prepare_run_config(
     overrides: Sequence[str] = (),
     config_files: Sequence[str | Path] = (),
     experiment_suffix: str | None = None,
+    allowed_reward_dirs: Sequence[str | Path] | None = None,
 ) -> OmniFlowConfig:
     """The checked config of one run, as verl-omni's `main()` prepares it.
 
     `config` (a flow parameter) or else the defaults and `config_files`, with `overrides` on top;
     `trainer.device` resolved (`auto_set_device`); with `experiment_suffix`, a per-run experiment
-    (`<experiment_name>-<suffix>`); then every rule. All problems come in one `ConfigError`: the
+    (`<experiment_name>-<suffix>`); then every rule. With `allowed_reward_dirs` (a run started through a
+    deployment), reward files must lie inside those folders (`rewards.deployment_reward_dirs`); None
+    accepts any path. All problems come in one `ConfigError`: the
     cross-field rules also run when some keys are unknown, refused or mistyped (on the config of the
     other keys, defaults standing in), minus any rule that names a key already reported.
     """
@@ -101,7 +112,7 @@ def prepare_run_config(
         if experiment_suffix:
             cfg = with_experiment_suffix(cfg, experiment_suffix)
         reported = {p.key for p in problems}
-        problems.extend(p for p in config_problems(cfg) if p.key not in reported)
+        problems.extend(p for p in config_problems(cfg, allowed_reward_dirs=allowed_reward_dirs) if p.key not in reported)
     if problems or cfg is None:
         raise ConfigError(problems)
     return cfg

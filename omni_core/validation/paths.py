@@ -1,12 +1,16 @@
-"""Files and paths: experiment names that stay inside the output folder, the resume path, the model
-folder and the prompt files (cheap to check now, expensive to find missing after Ray started)."""
+"""Files and paths: experiment names that stay inside the output folder, the resume path, the checkpoint
+folder and the checkpoint to resume, the model folder and the prompt files (cheap to check now, expensive
+to find missing after Ray started)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from omni_core.config import ConfigProblem, OmniFlowConfig
+from omni_core import checkpoint as ckpt
+from omni_core.checkpoint.compat import config_changes, export_only_message, has_optimizer, refusal_fix, saved_config
+from omni_core.checkpoint.layout import parse_step
+from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
 from omni_core.data_files import DataFileError, as_file_list, resolve_data_path
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -34,6 +38,8 @@ def path_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             p.append(
                 ConfigProblem("trainer.resume_from_path", "does not exist; point it at a global_step_N checkpoint folder", path)
             )
+    if not p:
+        p.extend(checkpoint_folder_problems(config))
     model_dir = Path(model.path).expanduser()
     if not (model_dir / "model_index.json").is_file():
         p.append(
@@ -51,3 +57,96 @@ def path_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             except DataFileError as exc:
                 p.append(ConfigProblem(key, str(exc), f))
     return p
+
+
+def _where(config: OmniFlowConfig) -> str:
+    t = config.trainer
+    return (
+        f"the checkpoint folder {t.checkpoint_dir} (trainer.default_local_dir={t.default_local_dir}, "
+        f"trainer.project_name={t.project_name}, trainer.experiment_name={t.experiment_name})"
+    )
+
+
+def checkpoint_folder_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """A fresh run must not start where it would overwrite saved checkpoints (nothing saved is ever lost).
+
+    - `resume_mode=disable` in a folder that already holds checkpoints is refused: the new run would replace
+      same-numbered checkpoints of the earlier one, move `latest` backwards, and retention would then delete
+      the new run's checkpoints.
+    - `resume_mode=resume_path` is refused when the folder holds checkpoints newer than the resume point.
+    """
+    t = config.trainer
+    steps = ckpt.complete_steps(t.checkpoint_dir)
+    if not steps:
+        return []
+    if t.resume_mode == "disable":
+        found = ", ".join(f"global_step_{s}" for s in sorted(steps))
+        return [
+            ConfigProblem(
+                "trainer.resume_mode",
+                f"{_where(config)} already holds checkpoints of an earlier run ({found}); a run that starts fresh there "
+                f"would overwrite them. Start a new experiment (trainer.experiment_name=<new name>, or "
+                f"the flow parameter new_experiment_per_run=true, as scheduled deployments set it), or continue that run with "
+                f"trainer.resume_mode=auto",
+                t.resume_mode,
+            )
+        ]
+    if t.resume_mode == "resume_path":
+        resume = parse_step(Path(t.resume_from_path or "").expanduser())
+        newer = sorted(s for s in steps if resume is not None and s > resume)
+        if newer:
+            return [
+                ConfigProblem(
+                    "trainer.resume_from_path",
+                    f"{_where(config)} holds checkpoints newer than the resume point ("
+                    + ", ".join(f"global_step_{s}" for s in newer)
+                    + "), which this run would overwrite. Start a new experiment (trainer.experiment_name=<new name>) "
+                    "to branch from there, or resume the newest with trainer.resume_mode=auto",
+                    t.resume_from_path,
+                )
+            ]
+    return []
+
+
+def resume_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """The checkpoint a run would resume from, checked before Ray starts (read-only; `validate_resume`).
+
+    - It must match its manifest: sizes only here (one stat per file, which catches truncated and missing
+      files); the run hashes every byte once when it starts (`omni_core.checkpoint.resume_point`). `auto`
+      falls back to the newest checkpoint that matches, so it is a problem only when none does.
+    - It must have been saved with the optimizer, under the same model / LoRA / dtype / world size
+      (`omni_core.checkpoint.compat`).
+
+    Not part of `config_problems`: its answer depends on what is saved on disk, not on the config alone, so
+    the run calls it once it holds the folder's RunLock (and `_load_checkpoint` enforces it again).
+    """
+    t = config.trainer
+    if t.resume_mode == "disable":
+        return []
+    key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
+    value = t.resume_from_path if t.resume_mode == "resume_path" else t.resume_mode
+    try:
+        path = ckpt.choose_resume(t.checkpoint_dir, t.resume_mode, t.resume_from_path, hashes=False, log_fn=lambda _: None)
+    except ckpt.CheckpointError as exc:
+        return [ConfigProblem(key, str(exc), value)]
+    if path is None:
+        return []
+    if not has_optimizer(path):
+        return [ConfigProblem(key, export_only_message(path), value)]
+    saved = saved_config(path)
+    refused = config_changes(saved, config.model_dump(mode="json"))[0] if saved is not None else []
+    return [
+        ConfigProblem(
+            "trainer.n_gpus_per_node" if " x " in changed else changed,
+            f"differs from the checkpoint to resume, {path}, which was saved with {old!r}; {refusal_fix(changed, old)}",
+            new,
+        )
+        for changed, old, new in refused
+    ]
+
+
+def validate_resume(config: OmniFlowConfig) -> None:
+    """Raise one `ConfigError` listing `resume_problems(config)` (call it before Ray starts)."""
+    problems = resume_problems(config)
+    if problems:
+        raise ConfigError(problems)

@@ -3,7 +3,9 @@
 For a `RolloutRequest` it tags the prompt rows `running`, samples `params.n` images per prompt with the
 SDE sampler, scores them with the reward manager inside the worker (verl-omni's streaming reward),
 writes one trajectory row per sample into the TransferQueue (`{uid}_{session}_0`) and tags each
-prompt `finished`, or `failure` with the reason when any of its samples failed. Log lines (with their
+prompt `finished`, or `failure` with the reason when any of its samples failed (a failing reward, even
+one that fails the whole batch, still writes every row, marked `failed`; only a failed generation writes
+none). Log lines (with their
 level) go back to the controller with the result, so they reach the Prefect run's log.
 """
 
@@ -22,7 +24,7 @@ from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.models.placement import module_placement, rollout_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.records import LogLine
-from omni_core.rewards.manager import RewardManager
+from omni_core.rewards.manager import RewardManager, RewardResult
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
@@ -124,8 +126,9 @@ class RolloutWorker:
                 [r.extra_info for r in per_sample],
             )
         except Exception as exc:  # e.g. a data_source without a reward: every sample failed, with the reason
-            reason = f"reward: {type(exc).__name__}: {exc}"
-            return self._fail_all(request, reason, reason, start)
+            # The rows are still written (marked failed), so the trainer applies reward.max_failure_ratio to them
+            # like to any other reward failure instead of reporting missing samples.
+            scored = RewardResult.all_failed(len(per_sample), f"reward: {type(exc).__name__}: {exc}")
 
         for i, reason in enumerate(nonfinite_reasons(traj, params, self.config.actor_rollout_ref.rollout.dtype)):
             if reason:

@@ -23,8 +23,19 @@ from typing import Any
 
 import torch
 
-from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, build_lr_scheduler, build_optimizer, ppo_update
+from omni_core.algorithms.update import (
+    NonFiniteTrainingError,
+    PPOUpdateConfig,
+    StepOutput,
+    build_lr_scheduler,
+    build_optimizer,
+    nonfinite_metrics,
+    ppo_update,
+)
+from omni_core.checkpoint.compat import export_only_message
 from omni_core.checkpoint.files import read_tensors, read_torch_state, write_tensors, write_torch_state
+from omni_core.checkpoint.layout import CheckpointError
+from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.models.placement import module_placement, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
@@ -53,6 +64,10 @@ class TrainingActor:
         self.config: OmniFlowConfig = config_from_dict(config)
         self.total_training_steps = total_training_steps
         self.text_encoders = text_encoders
+        # Training steps in a row whose loss or grad norm was not finite (`train_on`). Not cleared by `reset`:
+        # a retried epoch that hits the same fault fails at its first such step; a finite step clears it, and a
+        # restarted actor process starts from 0.
+        self.nonfinite_streak = 0
         self._build()
 
     def _build(self) -> None:
@@ -88,34 +103,72 @@ class TrainingActor:
     def reset(self, checkpoint: str | None) -> int:
         """Restart from `checkpoint` (a global_step_N folder), or from the base model when None.
 
-        Used at start-up (resume) and by a retried epoch whose weights moved past its checkpoint.
+        Used at start-up (resume) and by a retried epoch whose weights moved past its checkpoint. A checkpoint
+        saved without the optimizer is export-only and refused before anything is loaded. The config's
+        optimizer hyperparameters (lr, betas, weight_decay) win over the loaded state's: the controller logs
+        a change (`checkpoint.compat`), this applies it, and the LR schedule's base follows the new lr.
         """
         if checkpoint is None:
             self._build()
             return self.version
         actor = Path(checkpoint) / "actor"
+        if not (actor / "optimizer.pt").is_file():
+            raise CheckpointError(export_only_message(checkpoint))
         self.policy.load_trainable_state(read_tensors(actor, "model"))
         self.optimizer.load_state_dict(read_torch_state(actor, "optimizer"))
         self.lr_scheduler.load_state_dict(read_torch_state(actor, "lr_scheduler"))
+        self._apply_optim_config()
         if self.grad_scaler is not None and (actor / "grad_scaler.pt").is_file():
             self.grad_scaler.load_state_dict(read_torch_state(actor, "grad_scaler"))
         self.version = int(read_torch_state(actor, "version")["version"])
         return self.version
 
+    def _apply_optim_config(self) -> None:
+        """Set lr / betas / weight_decay from the config over a loaded optimizer state (whose values were the
+        checkpoint's); the scheduler's `base_lrs` follow, and the current lr is the new base lr times the
+        schedule's multiplier at its restored step."""
+        optim = self.config.actor_rollout_ref.actor.optim
+        lr = float(optim.lr)
+        self.lr_scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group, factor in zip(self.optimizer.param_groups, self.lr_scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(self.lr_scheduler.last_epoch)
+            group["betas"] = (float(optim.betas[0]), float(optim.betas[1]))
+            group["weight_decay"] = float(optim.weight_decay)
+        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def checkpoint_bytes(self) -> int:
+        """About what `save` writes: the trainable state twice (safetensors + the diffusers copy) plus the
+        optimizer state when saved (tensor bytes; headers and small files are in the writer's margin)."""
+        model = sum(t.numel() * t.element_size() for t in self.policy.state_dict_for_checkpoint().values())
+        if "optimizer" not in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
+            return 2 * model
+        optim = sum(
+            v.numel() * v.element_size() for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        )
+        return 2 * model + optim
+
     def save(self, tmp_dir: str) -> list[str]:
-        """Write the actor's part of a checkpoint into `<tmp_dir>/actor/` (safetensors + torch state)."""
+        """Write the actor's part of a checkpoint into `<tmp_dir>/actor/` (safetensors + torch state).
+
+        Checks free space against `checkpoint_bytes()` first; a write that still runs out of space raises
+        `DiskFullError` naming the folder (the controller's writer then removes the whole temp folder).
+        """
         actor = Path(tmp_dir) / "actor"
-        actor.mkdir(parents=True, exist_ok=True)
-        contents = self.config.actor_rollout_ref.actor.checkpoint.save_contents
-        written = [write_tensors(actor, "model", self.policy.state_dict_for_checkpoint())]
-        if "optimizer" in contents:
-            written.append(write_torch_state(actor, "optimizer", self.optimizer.state_dict()))
-            written.append(write_torch_state(actor, "lr_scheduler", self.lr_scheduler.state_dict()))
-            if self.grad_scaler is not None:
-                written.append(write_torch_state(actor, "grad_scaler", self.grad_scaler.state_dict()))
-        written.append(write_torch_state(actor, "version", {"version": self.version}))
-        # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained.
-        self.policy.save_pretrained(actor / "hf")
+        needed = self.checkpoint_bytes()
+        check_free_space(tmp_dir, needed)
+        with disk_full_guard(tmp_dir, needed=needed):
+            actor.mkdir(parents=True, exist_ok=True)
+            contents = self.config.actor_rollout_ref.actor.checkpoint.save_contents
+            written = [write_tensors(actor, "model", self.policy.state_dict_for_checkpoint())]
+            if "optimizer" in contents:
+                written.append(write_torch_state(actor, "optimizer", self.optimizer.state_dict()))
+                written.append(write_torch_state(actor, "lr_scheduler", self.lr_scheduler.state_dict()))
+                if self.grad_scaler is not None:
+                    written.append(write_torch_state(actor, "grad_scaler", self.grad_scaler.state_dict()))
+            written.append(write_torch_state(actor, "version", {"version": self.version}))
+            # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained.
+            self.policy.save_pretrained(actor / "hf")
         return [str(p) for p in written]
 
     # ------------------------------------------------------------------------------- training
@@ -221,9 +274,35 @@ class TrainingActor:
         )
         metrics.update(drift)
         self.policy.transformer.eval()
+        self._count_nonfinite(metrics, global_step)
         self.version = global_step
         t2 = time.perf_counter()
         metrics["timing_s/old_log_prob"] = t1 - t0
         metrics["timing_s/update_actor"] = t2 - t1
         metrics["_train_s"] = t2 - t0
         return metrics
+
+    def _count_nonfinite(self, metrics: dict[str, float], global_step: int) -> None:
+        """Count a step whose loss or grad norm is not finite (its optimizer steps were skipped); after
+        `actor.max_consecutive_nonfinite_steps` in a row, raise `NonFiniteTrainingError` with the likely causes."""
+        bad = nonfinite_metrics(metrics, scaled=self.grad_scaler is not None)
+        self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
+        metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)
+        if not bad:
+            return
+        arr = self.config.actor_rollout_ref
+        limit = arr.actor.max_consecutive_nonfinite_steps
+        logger.warning("step %d: %s not finite (%d of %d steps in a row allowed)", global_step, bad, self.nonfinite_streak, limit)
+        if self.nonfinite_streak < limit:
+            return
+        raise NonFiniteTrainingError(
+            f"step {global_step}: {' and '.join(bad)} not finite for {self.nonfinite_streak} training steps in a row "
+            f"(actor_rollout_ref.actor.max_consecutive_nonfinite_steps={limit}); their optimizer steps were skipped, "
+            f"so the weights are those of step {global_step - self.nonfinite_streak}. Likely causes: the learning rate "
+            f"actor_rollout_ref.actor.optim.lr={arr.actor.optim.lr:g} is too high (try 10x lower, or a warm-up with "
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps); training compute in "
+            f"actor_rollout_ref.actor.fsdp_config.dtype={arr.actor.fsdp_config.dtype} (float16 overflows: use bfloat16 "
+            f"or float32); a rollout in actor_rollout_ref.rollout.dtype={arr.rollout.dtype} that drifts from the trained "
+            f"policy (use float32; see training/rollout_probs_diff_max); actor_rollout_ref.actor.grad_clip="
+            f"{arr.actor.grad_clip:g}"
+        )
