@@ -10,6 +10,12 @@ from prefect.cache_policies import NO_CACHE
 
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.cards import Card, reward_curve_card, run_summary_card, validation_cards
+from omni_core.reports.plots import load_plotting
+
+# The flow process draws the reward curve after every epoch. Its plotting library is loaded now, with the
+# flow, not at the end of the first epoch: a Ctrl-C / SIGTERM that lands inside matplotlib's first import
+# turns into "ImportError: initialization failed" and a failed run instead of a clean interruption.
+load_plotting()
 
 
 def publish_card(key: str, card: Card) -> None:

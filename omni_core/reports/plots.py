@@ -27,13 +27,20 @@ def trend_line(rewards: Sequence[float], window: int = WINDOW) -> str:
     return f"mean reward {first:.6f} -> {last:.6f} ({verdict})"
 
 
+def load_plotting() -> None:
+    """Import matplotlib with its file-only backend (Agg); `save_reward_curve` needs it. Separate so a
+    process can pay the import up front, at a moment no stop signal is expected."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot  # noqa: F401
+
+
 def save_reward_curve(
     step_metrics: Sequence[dict[str, float]], path: str | Path, val_points: Sequence[tuple[int, float]] = (), title: str = ""
 ) -> Path:
     """Draw `critic/rewards/mean` per step (band: min..max) and validation points; write a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
+    load_plotting()
     import matplotlib.pyplot as plt
 
     rows = sorted((m for m in step_metrics if REWARD in m), key=lambda m: m["training/global_step"])
