@@ -4,7 +4,8 @@ Prefect's ephemeral mode starts a temporary server in every process that needs o
 worker would start its own (DESIGN.md section 7). So when no `PREFECT_API_URL` is set, the run starts
 `prefect server start` on a free loopback port with a persistent `PREFECT_HOME` in the output folder,
 points this process (and through it every Ray worker) at it, and stops it at the end. A user's
-`PREFECT_API_URL` wins. Call `embedded_prefect_api` before importing prefect.
+`PREFECT_API_URL` wins. Call `embedded_prefect_api` before importing prefect. `EmbeddedApi.watch` tells
+the runner when the server dies mid-run (the runner then stops the run: see `runner.stop_after_api_death`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DEFAULT_HOME = Path("outputs") / "prefect"
@@ -70,6 +72,34 @@ class EmbeddedApi:
     def wait_ready(self) -> None:
         if self.proc is not None and self.url is not None:
             _wait_healthy(self.url, self.proc, self.timeout_s)
+
+    @contextlib.contextmanager
+    def watch(self, on_exit: Callable[[int], object], poll_s: float = 0.5) -> Iterator[None]:
+        """Within: `on_exit(returncode)` runs (in a daemon thread) if the embedded server exits, killed or crashed.
+
+        Nothing is watched for a user's `PREFECT_API_URL`: their server, their restarts. Leaving the `with`
+        stops the watch before `embedded_prefect_api` stops the server on purpose.
+        """
+        if self.proc is None:
+            yield
+            return
+        proc, done = self.proc, threading.Event()
+
+        def poll() -> None:
+            while not done.wait(poll_s):
+                code = proc.poll()
+                if code is not None:
+                    if not done.is_set():
+                        on_exit(code)
+                    return
+
+        thread = threading.Thread(target=poll, name="omniflow-prefect-api-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=4 * poll_s)
 
 
 class PrefectServer:

@@ -11,7 +11,8 @@ It owns what every command-line run needs, in this order:
      settings pointed at it (Prefect reads them when first imported, which may be before the server
      exists) and the addresses printed where a newcomer sees them;
   4. the flow, called by its import path, so that its heavy imports overlap the server's boot;
-  5. the outcome: exit 0 with the caller's report, 1 with the failed state's message, 130 when stopped.
+  5. the outcome: exit 0 with the caller's report, 1 with the failed state's message, 130 when stopped,
+     75 (EX_TEMPFAIL: try again) when the embedded Prefect API died mid-run (`stop_after_api_death`).
 
 Light to import: nothing heavy is imported before it is used.
 """
@@ -24,6 +25,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 QUIET_ENV = {
@@ -35,6 +37,8 @@ QUIET_ENV = {
     "RAY_DEDUP_LOGS": "0",
     "TQ_LOGGING_LEVEL": "ERROR",
 }
+# Exit code when the embedded Prefect API died mid-run (EX_TEMPFAIL: the same command again resumes).
+EXIT_API_DIED = 75
 
 
 def split_files_and_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -93,11 +97,75 @@ def shutdown_ray() -> None:
             ray.shutdown()
 
 
+def _children_by_parent() -> dict[int, list[int]]:
+    """pid -> child pids, from Linux's /proc (empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    return children
+
+
+def kill_started_processes() -> None:
+    """SIGKILL every process this one started, and theirs (a local Ray cluster: GCS, raylet, its agents and
+    workers, TransferQueue's actors). Each is stopped (SIGSTOP) first, parents before children, so that none
+    starts another while the tree is walked. Linux only (elsewhere Ray's fate sharing is what remains)."""
+    frozen: list[int] = []
+    todo = [os.getpid()]
+    while todo:
+        tree = _children_by_parent()
+        todo = [c for p in todo for c in tree.get(p, []) if c not in frozen]
+        for pid in todo:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+                frozen.append(pid)
+    for pid in frozen:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def stop_after_api_death(command: str, api: Any, returncode: int) -> None:
+    """The embedded Prefect API exited mid-run (killed, crashed): stop the run now, with one line that says
+    what died and how to resume, and exit `EXIT_API_DIED`.
+
+    Why stop rather than train on: every state change, artifact and result of the flow and its tasks is a call
+    to that API, which Prefect's client retries for about a minute per call before it fails, so the run would
+    crawl and then fail somewhere less clear, with nowhere to report its outcome. Why `os._exit`: a normal
+    unwind would make those calls first (the flows' crash states). Nothing is lost: checkpoints are written to a
+    temporary folder and renamed into place, so the last complete one is what the next run resumes from (a
+    half-written one is removed when it starts). The processes this run started (a local Ray cluster with its
+    TransferQueue and actors) are killed first (`kill_started_processes`; Ray's own fate sharing would leave
+    its agents behind); a joined cluster drops this driver's actors when it exits; the checkpoint-folder lock
+    is released with the process.
+    """
+    try:
+        died = signal.Signals(-returncode).name if returncode < 0 else None
+    except ValueError:
+        died = f"signal {-returncode}"
+    how = f"was killed by {died}" if died else f"exited with code {returncode}"
+    try:  # whatever happens to the message (a closed stderr), the run still stops
+        print(
+            f"{command}: the run's Prefect API server (pid {api.proc.pid}, {api.url}) {how} mid-run (its log: "
+            f"{os.environ.get('PREFECT_HOME')}/server.log); the run is stopped and its last checkpoint is intact: "
+            "run the same command again to resume from it",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+    finally:
+        kill_started_processes()
+        os._exit(EXIT_API_DIED)
+
+
 def run_flow_from_cli(command: str, flow_path: str, parameters: Mapping[str, Any], report: Callable[[Any], None]) -> int:
     """Steps 1-5 for the flow at `flow_path` called with `parameters`; `report` prints its result."""
     prepare_process()
     flows: list[Any] = []
-    with prefect_api(command, warm_up=lambda: flows.append(load_flow(flow_path))) as api:
+    with (
+        prefect_api(command, warm_up=lambda: flows.append(load_flow(flow_path))) as api,
+        api.watch(lambda returncode: stop_after_api_death(command, api, returncode)),
+    ):
         if api.ui_url:
             print(f"{command}: watch the run at {api.ui_url}/runs", flush=True)
         from prefect.exceptions import TerminationSignal

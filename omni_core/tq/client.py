@@ -61,6 +61,10 @@ class TransferQueueCapacityError(RuntimeError):
     """The Ray cluster cannot host TransferQueue's controller and storage units (tq.init would hang)."""
 
 
+class TransferQueueUnavailableError(RuntimeError):
+    """The TransferQueue controller of the cluster is gone (its process died): its requests would wait forever."""
+
+
 # ------------------------------------------------------------------------------------ names and keys
 def trajectory_key(uid: str, session: int | str, index: int = 0) -> str:
     """Key of one trajectory row, ``f"{uid}_{session}_{index}"`` (verl-omni's layout; index is 0 for
@@ -346,9 +350,29 @@ def clear(partition: str, keys: Sequence[str]) -> None:
         tq.kv_clear(keys=keys, partition_id=partition)
 
 
+def controller_alive(timeout_s: float = 10.0) -> bool:
+    """Whether the cluster's TransferQueue controller answers Ray within ``timeout_s`` (a look-up by name does not
+    say that it still runs, and TQ's own requests to it have no timeout)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        handle = ray.get_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
+        ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+    except (ValueError, RayActorError, GetTimeoutError):
+        return False
+    return True
+
+
 def clear_partition(partition: str) -> int:
     """Remove every row of ``partition`` (stale rows before a retried epoch, and at the end of a run).
-    Returns how many were removed."""
+    Returns how many were removed. Raises TransferQueueUnavailableError when the controller died, whose
+    requests would otherwise wait forever (a run's close would hang)."""
+    if not controller_alive():
+        raise TransferQueueUnavailableError(
+            f"the TransferQueue controller ({_CONTROLLER_NAMESPACE}/{_CONTROLLER_NAME}) is dead; the rows of "
+            f"{partition!r} went with it"
+        )
     keys = list(list_rows(partition))
     clear(partition, keys)
     return len(keys)

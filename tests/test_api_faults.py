@@ -1,0 +1,61 @@
+"""A service of the run dies mid-run: `omniflow train` in its own process, the service's process SIGKILLed.
+
+The embedded Prefect API: the run stops at once with one line naming the dead server and how to resume
+(exit 75), leaves no Ray, TransferQueue or Prefect process behind and its last checkpoint intact, and the
+same command again starts a new server on the same PREFECT_HOME and resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from real_prefect import wait_gone
+from test_cli_runs import _descendants, _env, _latest, _step_records, _train, _wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _own_api_run(flow_overrides: list[str], tmp_path, ckpt) -> tuple[dict[str, str], list[str]]:
+    """Environment and overrides of a 3-step run that starts its own Prefect API server and Ray cluster."""
+    env = _env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_RESULTS_LOCAL_STORAGE_PATH", None)  # under this run's own PREFECT_HOME
+    return env, [*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.total_epochs=3"]
+
+
+def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flow_overrides, tmp_path):
+    from omniflow.flows.runner import EXIT_API_DIED
+
+    from omni_core.checkpoint import find_latest, verify_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    env, overrides = _own_api_run(flow_overrides, tmp_path, ckpt)
+
+    first_log = tmp_path / "first.log"
+    proc = _train(overrides, env, first_log)
+    _wait_for(lambda: _latest(ckpt) == "1", proc, 600, first_log)
+    spawned = [p for p in _descendants(proc.pid) if p.is_running()]
+    (server,) = [p for p in spawned if "prefect" in " ".join(p.cmdline()) and "server" in p.cmdline()]
+    assert any("raylet" in " ".join(p.cmdline()) for p in spawned)  # what must go away with the run
+    os.kill(server.pid, signal.SIGKILL)
+
+    code = proc.wait(timeout=120)
+    text = first_log.read_text()
+    assert code == EXIT_API_DIED, text[-3000:]
+    assert f"omniflow: the run's Prefect API server (pid {server.pid}, " in text, text[-3000:]
+    assert "the run is stopped and its last checkpoint is intact: run the same command again to resume from it" in text
+    wait_gone(spawned, timeout_s=60)  # Ray's cluster, TransferQueue's actors and the run's workers share its fate
+    latest = find_latest(ckpt)
+    assert latest is not None and latest.name in ("global_step_1", "global_step_2"), latest
+    verify_checkpoint(latest)  # intact: every file matches its manifest hash
+    first_logs = set((ckpt / "logs").iterdir())
+
+    second_log = tmp_path / "second.log"
+    second = _train(overrides, env, second_log)  # the same command: a new server on the same PREFECT_HOME
+    assert second.wait(timeout=600) == 0, second_log.read_text()[-3000:]
+    (second_logs,) = set((ckpt / "logs").iterdir()) - first_logs
+    resumed_at = int(latest.name.removeprefix("global_step_"))
+    assert _step_records(second_logs) == list(range(resumed_at + 1, 4))  # only the steps after the checkpoint
+    assert _latest(ckpt) == "3"
