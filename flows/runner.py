@@ -48,8 +48,20 @@ def split_files_and_overrides(args: Sequence[str]) -> tuple[list[str], list[str]
     return files, overrides
 
 
+# Stop signals this process received. A signal that lands inside library code (an import, a pydantic
+# serializer) can surface as that library's error and a Failed state instead of an interruption.
+_stop_signals: list[int] = []
+_INTERRUPTED = "interrupted; the last checkpoint is intact and the run's processes are stopped"
+
+
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    _stop_signals.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _was_stopped(state: Any) -> bool:
+    """Whether a Failed `state` is really a Ctrl-C / SIGTERM that library code wrapped in its own error."""
+    return bool(_stop_signals) or "TerminationSignal" in (state.message or "")
 
 
 def prepare_process() -> None:
@@ -175,12 +187,15 @@ def run_flow_from_cli(command: str, flow_path: str, parameters: Mapping[str, Any
         except (KeyboardInterrupt, SystemExit, TerminationSignal):
             # Ctrl-C, or SIGTERM (which Prefect's engine turns into a crash + SystemExit): the flow's
             # finally has closed the TransferQueue and the actors; Ray and the server stop below.
-            print(f"{command}: interrupted; the last checkpoint is intact and the run's processes are stopped", file=sys.stderr)
+            print(f"{command}: {_INTERRUPTED}", file=sys.stderr)
             return 130
         finally:
             shutdown_ray()
         if api.ui_url:
             print(f"{command}: flow run {api.ui_url}/runs/flow-run/{state.state_details.flow_run_id}", flush=True)
+        if not state.is_completed() and _was_stopped(state):
+            print(f"{command}: {_INTERRUPTED}", file=sys.stderr)
+            return 130
         if not state.is_completed():
             print(f"{command}: run {state.name}: {state.message}", file=sys.stderr)
             return 1
