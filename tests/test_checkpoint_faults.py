@@ -245,7 +245,8 @@ def small_disk(tmp_path):
     try:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(disk)], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here ({exc}); needs root")
+        # CI runs as root on Debian, where mounting works: a failure here is a broken environment, never a pass.
+        pytest.fail(f"cannot mount a tmpfs for the disk-full test ({exc}); run the tests as root")
     try:
         yield disk
     finally:
