@@ -138,7 +138,7 @@ def test_a_local_run_cluster_and_its_transfer_queue_listen_on_loopback_only():
 
 
 # ------------------------------------------------------------------ 20: reward files of deployment runs
-def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_and_a_plain_call_accepts_it(tmp_path):
+def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_and_a_plain_call_accepts_it(tmp_path, tiny_sd3_dir):
     import os
 
     import pytest
@@ -151,7 +151,8 @@ def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_and_
     mine.mkdir()
     reward = mine / "reward.py"
     reward.write_text("def compute_score(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
-    overrides = [f"reward.custom_reward_function.path={reward}"]
+    model = f"actor_rollout_ref.model.path={tiny_sd3_dir}"  # a real pipeline folder, built by the fixture
+    overrides = [model, f"reward.custom_reward_function.path={reward}"]
 
     # A user's own call (omniflow train, Python): any path.
     assert prepare_run_config(None, overrides).reward.custom_reward_function.path == str(reward)
@@ -166,10 +167,12 @@ def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_and_
     sneaky = f"{EXAMPLE_REWARDS_DIR}/{os.path.relpath(reward, EXAMPLE_REWARDS_DIR)}"  # examples/rewards/../../..
     assert ".." in sneaky and Path(sneaky).resolve() == reward.resolve()
     with pytest.raises(ConfigError, match=r"reward\.reward_functions\[0\]\.path"):
-        prepare_run_config(None, [f"reward.reward_functions=[{{path: {sneaky}, weight: 1.0}}]"], allowed_reward_dirs=allowed)
+        prepare_run_config(
+            None, [model, f"reward.reward_functions=[{{path: {sneaky}, weight: 1.0}}]"], allowed_reward_dirs=allowed
+        )
 
     # The project's own example and a folder the serving side allows are accepted.
     example = EXAMPLE_REWARDS_DIR / "brightness_reward.py"
-    prepare_run_config(None, [f"reward.custom_reward_function.path={example}"], allowed_reward_dirs=allowed)
+    prepare_run_config(None, [model, f"reward.custom_reward_function.path={example}"], allowed_reward_dirs=allowed)
     served = deployment_reward_dirs({ALLOWED_REWARD_DIRS_ENV: os.pathsep.join(["/nonexistent", str(mine)])})
     prepare_run_config(None, overrides, allowed_reward_dirs=served)
