@@ -10,7 +10,9 @@ The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
                           embed every prompt once, so they never stay on a worker's device)
   5. init_trainer         trainer.init(): dataloader, training actor on Ray, checkpoint resume
   6. init_agent_loop      the rollout workers
-  7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried
+  7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried; an epoch that lost the
+                          TransferQueue (a dead controller or storage unit) is redone from its last
+                          checkpoint after `restart_transfer_queue`
   8. close                the TransferQueue and the run's actors, always (also on failure)
 
 `fit` is a subflow with a `RayTaskRunner`: Ray is connected in stage 2 from the config, so the runner
@@ -36,8 +38,9 @@ from omniflow.tasks.load_tokenizer import load_tokenizer
 from omniflow.tasks.prepare_dataset import prepare_dataset
 from omniflow.tasks.prepare_prompt_embeddings import prepare_prompt_embeddings
 from omniflow.tasks.publish_reports import publish_reward_curve, publish_run_summary
+from omniflow.tasks.restart_transfer_queue import restart_transfer_queue
 from omniflow.tasks.validate_config import validate_config
-from prefect import flow, runtime
+from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_progress_artifact
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
@@ -46,12 +49,15 @@ from pydantic import BaseModel, Field
 from omni_core.checkpoint import RunLock
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
+from omni_core.faults import is_transfer_queue_lost
 from omni_core.records import EpochResult, RunInfo
 from omni_core.validation.paths import validate_resume
 
 # `.result()` of an epoch is bounded too; a hung epoch fails the run instead of holding it forever.
 EPOCH_RESULT_TIMEOUT_S = 6 * 3600
 REWARD_WINDOW = 3  # steps averaged for the "first" and "last" reward of a run
+# New TransferQueues per epoch after a controller or storage unit died (each redoes the epoch from its checkpoint).
+MAX_TRANSFER_QUEUE_RESTARTS = 2
 
 
 class TrainResult(BaseModel):
@@ -99,10 +105,21 @@ def fit(
     )
     results = []
     for epoch in range(start_epoch, end_epoch):
-        # Ray's own task retries stay off: Prefect's (from the last checkpoint, infrastructure failures only) are the only ones.
-        with remote_options(max_retries=0):
-            future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
-        results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
+        for restarts in range(MAX_TRANSFER_QUEUE_RESTARTS + 1):
+            # Ray's own task retries stay off: Prefect's (from the last checkpoint, infrastructure failures only) are the only ones.
+            with remote_options(max_retries=0):
+                future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
+            try:
+                results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
+                break
+            except Exception as exc:
+                if restarts == MAX_TRANSFER_QUEUE_RESTARTS or not is_transfer_queue_lost(exc):
+                    raise
+                get_run_logger().warning(
+                    f"epoch {epoch} lost the TransferQueue; starting a new one and redoing the epoch from its last "
+                    f"checkpoint ({restarts + 1}/{MAX_TRANSFER_QUEUE_RESTARTS})"
+                )
+                restart_transfer_queue(config)
         publish_reward_curve(run, results, end_epoch)
     return results
 

@@ -1,10 +1,12 @@
 """Which failures are worth a retry, and what an out-of-memory error tells the user to change.
 
 A retry resumes from the last checkpoint with the same config and code, so it only helps when the fault
-was outside both: a process or node that died, a call that timed out, an object or a TransferQueue actor
-that was lost (`is_retryable`). A config error, a reward file that raises and an out-of-memory error fail
-the same way again; they end the run at once with their own message (`out_of_memory_error` says which
-settings lower the memory). The Prefect layer turns `is_retryable` into the tasks' `retry_condition_fn`.
+was outside both: a process or node that died, a call that timed out, an object that was lost
+(`is_retryable`). A dead TransferQueue actor is such a fault too, but a plain retry would find the same dead
+queue: the flow first starts a new TransferQueue, then redoes the epoch (`is_transfer_queue_lost`). A config
+error, a reward file that raises and an out-of-memory error fail the same way again; they end the run at
+once with their own message (`out_of_memory_error` says which settings lower the memory). The Prefect layer
+turns `is_retryable` into the tasks' `retry_condition_fn`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _RAY_INFRASTRUCTURE = (
     "ObjectFetchTimedOutError",
     "ConnectionError",  # joining a cluster (ray_kwargs.ray_init.address) that is not reachable yet
     "TimeoutError",
+    "StorageUnitTimeout",  # transfer_queue: a live storage unit that did not answer (a dead one is "lost" below)
 )
 # Never retried, whatever they wrap: the same config / code fails the same way (matched by class name so
 # that this module imports neither the rewards nor the config package).
@@ -67,13 +70,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
+def is_transfer_queue_lost(exc: BaseException) -> bool:
+    """A TransferQueue controller or storage unit died (`TransferQueueUnavailableError` anywhere in the chain):
+    the epoch can be redone from its checkpoint once a new TransferQueue runs."""
+    return any("TransferQueueUnavailableError" in _class_names(e) for e in exception_chain(exc))
+
+
 def is_retryable(exc: BaseException) -> bool:
-    """True only for infrastructure failures (a dead actor, worker or node, a timeout, a lost object, a dead
-    TransferQueue); False for config errors, user-code errors (a reward that raises) and out of memory."""
+    """True only for infrastructure failures that a plain retry can get past (a dead actor, worker or node, a
+    timeout, a lost object); False for config errors, user-code errors (a reward that raises), out of memory
+    and a lost TransferQueue (`is_transfer_queue_lost`: the same dead queue would fail the retry)."""
     chain = list(exception_chain(exc))
-    if is_out_of_memory(exc) or any(_class_names(e) & set(_NOT_RETRYABLE) for e in chain):
+    if is_out_of_memory(exc) or is_transfer_queue_lost(exc) or any(_class_names(e) & set(_NOT_RETRYABLE) for e in chain):
         return False
-    return any(_class_names(e) & {*_RAY_INFRASTRUCTURE, "TransferQueueUnavailableError"} for e in chain)
+    return any(_class_names(e) & set(_RAY_INFRASTRUCTURE) for e in chain)
 
 
 def out_of_memory_error(config: Any, exc: BaseException, where: str) -> RunOutOfMemoryError:

@@ -25,6 +25,7 @@ import ray
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
 from omni_core.quiet import drop_library_notices
+from omni_core.ray_auth import accepts_unauthenticated_requests, gcs_address_of, token_auth_warning
 from omni_core.resources import run_resource_budget
 
 NAMESPACE = "omniflow"
@@ -107,8 +108,17 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     # notice that it chose token auth (omni_core.quiet).
     drop_library_notices()
     if init.address:
-        # Ray 2.60 turns token auth on for local clusters; a client joining by address needs it too.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # Join in the cluster's own auth mode unless the user set one: token (Ray 2.60's default for clusters),
+        # or disabled for a cluster that answers requests without a token (`ray_auth`; the run log warns).
+        if "RAY_AUTH_MODE" not in os.environ:
+            gcs = gcs_address_of(init.address)
+            open_cluster = gcs is not None and accepts_unauthenticated_requests(gcs) is True
+            os.environ["RAY_AUTH_MODE"] = "disabled" if open_cluster else "token"
+            # Ray reads the mode once, at import: refresh it as Ray's own `_enable_token_auth` does (an env var
+            # set alone leaves the client in the imported mode: InvalidAuthToken from a token cluster).
+            from ray._raylet import Config
+
+            Config.initialize("")
         ray.init(**ray_init_kwargs(config, namespace))
     else:
         with loopback_node_ip():
@@ -173,6 +183,9 @@ class RunCluster:
 
     owns_ray: bool
     dashboard_url: str | None
+    # For a joined cluster (ray_kwargs.ray_init.address) that answers requests carrying no token (`ray_auth`):
+    # the line the run log shows.
+    auth_warning: str | None = None
 
 
 def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
@@ -192,7 +205,11 @@ def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
             ray.shutdown()
             _started_ray = False
         raise
-    return RunCluster(_started_ray, dashboard_url())
+    auth_warning = None
+    if config.ray_kwargs.ray_init.address is not None:
+        gcs = ray.get_runtime_context().gcs_address
+        auth_warning = token_auth_warning(gcs) if accepts_unauthenticated_requests(gcs) else None
+    return RunCluster(_started_ray, dashboard_url(), auth_warning)
 
 
 def close_run(trainer: Any, owns_ray: bool) -> None:

@@ -22,4 +22,6 @@ def init_transfer_queue(config: OmniFlowConfig) -> bool:
         if cluster.dashboard_url
         else "Ray dashboard: not running (ray_kwargs.ray_init.include_dashboard=true starts it)"
     )
+    if cluster.auth_warning:
+        get_run_logger().warning(cluster.auth_warning)
     return cluster.owns_ray

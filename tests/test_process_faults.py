@@ -138,6 +138,18 @@ def test_only_infrastructure_failures_are_retried(ray_cluster):
             raise ray.exceptions.GetTimeoutError("wait") from cfg_err
     except Exception as chained:
         assert not is_retryable(chained)
+    # A dead TransferQueue actor: no plain retry (it would meet the same dead queue); the flow restarts TQ first.
+    from omni_core.faults import is_transfer_queue_lost
+    from omni_core.tq.client import TransferQueueUnavailableError
+
+    try:
+        try:
+            raise TransferQueueUnavailableError("TransferQueueStorageUnit#1 died")
+        except TransferQueueUnavailableError as lost:
+            raise ray.exceptions.ActorDiedError() from lost
+    except Exception as chained:
+        assert is_transfer_queue_lost(chained) and not is_retryable(chained)
+    assert not is_transfer_queue_lost(died)
     error = out_of_memory_error(load_config(), oom_in_task, "step 3")
     assert isinstance(error, RunOutOfMemoryError) and not is_retryable(error)
 
@@ -265,6 +277,66 @@ def test_a_killed_rollout_worker_is_replaced_and_the_weights_match(flow_referenc
     assert_same_weights(final_weights(ckpt), final_weights(flow_reference[2]))
     steps = [r["step"] for r in read_jsonl(os.path.join(result.log_dir, "metrics.jsonl")) if "critic/rewards/mean" in r]
     assert steps == [1, 2]
+
+
+# --------------------------------------------------------------------------------------- item 10
+def _task_runs_of(flow_run_id) -> list:
+    """Every task run of the flow run and of its subflows (`fit`), from the Prefect API."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    async def read() -> list:
+        async with get_client() as client:
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+            )
+            ids = [flow_run_id, *(c.id for c in children)]
+            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize(
+    ("victim", "class_name"),
+    [("TransferQueueStorageUnit#1", "SimpleStorageUnit"), ("TransferQueueController", "TransferQueueController")],
+)
+def test_a_killed_transfer_queue_actor_is_replaced_and_the_epoch_redone(
+    flow_reference, flow_overrides, tmp_path, victim, class_name
+):
+    """SIGKILL one TransferQueue storage unit (the controller lives on, its rows point at the dead unit) or the
+    controller itself, after the first checkpoint: the epoch that meets the dead queue fails with
+    TransferQueueUnavailableError within seconds instead of waiting forever, the flow starts a new
+    TransferQueue (`restart_transfer_queue`) and redoes the epoch from its checkpoint, and the final weights
+    equal the fault-free run's bit for bit; metrics.jsonl keeps one record per step."""
+    import ray
+    from flow_utils import assert_same_weights, final_weights
+
+    from omni_core.tq import client as tqc
+    from omni_core.tracking import read_jsonl
+
+    ckpt = tmp_path / "ckpt"
+    state, killed = _run_with_kill(flow_overrides, ckpt, f"tqkill-{class_name.lower()}", victim, class_name)
+    assert killed, f"no {victim} was found to kill"
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.global_step == 2
+    assert_same_weights(final_weights(ckpt), final_weights(flow_reference[2]))
+    steps = [r["step"] for r in read_jsonl(os.path.join(result.log_dir, "metrics.jsonl")) if "critic/rewards/mean" in r]
+    assert steps == [1, 2]
+
+    runs = _task_runs_of(state.state_details.flow_run_id)
+    restarts = [r.state.type.value for r in runs if r.name.startswith("restart_transfer_queue")]
+    epoch_1 = sorted(r.state.type.value for r in runs if r.name == "fit_epoch-1")
+    assert restarts == ["COMPLETED"], [(r.name, r.state.type.value) for r in runs]
+    assert epoch_1 == ["COMPLETED", "FAILED"], [(r.name, r.state.type.value) for r in runs]
+    failed = next(r for r in runs if r.name == "fit_epoch-1" and r.state.type.value == "FAILED")
+    assert "TransferQueue" in (failed.state.message or ""), failed.state.message
+    # The cluster's TransferQueue is whole again (the session's other tests go on using it).
+    assert tqc.dead_transfer_queue_actors() == []
+    assert victim in dict(tqc._transfer_queue_actor_names())
+    assert ray.get_actor(victim, namespace=dict(tqc._transfer_queue_actor_names())[victim]) is not None
 
 
 # --------------------------------------------------------------------------------------- item 15

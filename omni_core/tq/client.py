@@ -30,9 +30,11 @@ TQ stores non-tensor columns as ``tensordict.NonTensorStack`` (one msgpack value
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,9 +54,19 @@ REQUIRED_TRAJECTORY_TAGS = ("status", "global_steps", "model_version")
 
 # TQ's own names (transfer_queue/interface.py): the controller is one named actor per cluster.
 _CONTROLLER_NAME, _CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
+# SimpleStorage units are named f"TransferQueueStorageUnit#{rank}", in the namespace of the process that started TQ.
+_STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
 
 # Whether this process started the controller (and so owns the storage actors); see close_transfer_queue.
 _owns_controller = False
+
+# A TQ call that has not answered after this long makes the caller check that TQ's actors still live (TQ's
+# own requests to a dead controller wait forever, to a dead storage unit ~10 minutes); then every few seconds.
+LIVENESS_CHECK_AFTER_S = 2.0
+# Bounds of a restart: the old actors' names and CPUs must be free before the new ones are created.
+RESTART_TIMEOUT_S = 120.0
+
+_T = TypeVar("_T")
 
 
 class TransferQueueCapacityError(RuntimeError):
@@ -62,7 +74,8 @@ class TransferQueueCapacityError(RuntimeError):
 
 
 class TransferQueueUnavailableError(RuntimeError):
-    """The TransferQueue controller of the cluster is gone (its process died): its requests would wait forever."""
+    """The TransferQueue controller or a storage unit of the cluster is gone (its process died): its requests
+    would wait forever. The run's rows went with it; `restart_transfer_queue` starts a new one."""
 
 
 # ------------------------------------------------------------------------------------ names and keys
@@ -172,15 +185,30 @@ def init_transfer_queue(tq_cfg: Any) -> bool:
 
 def attach() -> None:
     """Join the running TransferQueue from another process (a Ray task or actor): a bare ``tq.init()``.
-    Pair it with ``detach()``, never ``tq.close()``, which would kill the shared controller."""
-    import transfer_queue as tq
+    Pair it with ``detach()``, never ``tq.close()``, which would kill the shared controller.
 
-    if not _controller_exists():
-        raise RuntimeError(
-            "No TransferQueueController on this Ray cluster: the driver must call init_transfer_queue first "
-            "(and this process must be connected to the same cluster)."
-        )
-    tq.init()
+    Idempotent; a process whose client still talks to a TransferQueue that was since restarted
+    (``restart_transfer_queue``) drops that client and joins the new one.
+    """
+    import ray
+    import transfer_queue as tq
+    from transfer_queue import interface
+
+    try:
+        live = ray.get_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
+    except ValueError:  # never started (the driver calls init_transfer_queue first), or its process died
+        raise TransferQueueUnavailableError(
+            "No TransferQueueController on this Ray cluster: it died, or the driver did not call init_transfer_queue "
+            "first (or this process is connected to another cluster)."
+        ) from None
+    known = interface._TQ_CONTROLLER
+    if known is not None and known._actor_id != live._actor_id:  # TQ was restarted since this process joined
+        detach()
+        interface._TQ_CONTROLLER = None
+    try:
+        tq.init()  # asks the controller for its config
+    except ray.exceptions.RayActorError as exc:  # the name still resolves for a while after the process died
+        raise TransferQueueUnavailableError(f"the TransferQueueController died: {exc}") from exc
 
 
 def detach() -> None:
@@ -193,9 +221,9 @@ def detach() -> None:
     """
     from transfer_queue import interface
 
-    if interface._TQ_CLIENT is not None:
-        interface._TQ_CLIENT.close()
-    interface._TQ_CLIENT = None
+    client, interface._TQ_CLIENT = interface._TQ_CLIENT, None
+    if client is not None:
+        client.close()
 
 
 def close_transfer_queue() -> None:
@@ -211,6 +239,121 @@ def close_transfer_queue() -> None:
         detach()
 
 
+def restart_transfer_queue(tq_cfg: Any) -> list[str]:
+    """Replace a TransferQueue whose controller or a storage unit died, with the ``transfer_queue`` settings of
+    ``tq_cfg``; returns the dead actors it found ([] when it was healthy, e.g. another run restarted it first).
+
+    What is left of the old one (live storage units, a live controller) is killed, since its rows are
+    incomplete; the new one starts once the old names and CPUs are free. Rows are lost: the caller redoes the
+    epoch from its last checkpoint, and every process joins the new one with ``attach``. The process that
+    started the old TransferQueue owns (and closes) the new one; a run that had joined another's leaves
+    it running at its end, as before.
+    """
+    global _owns_controller
+    import ray
+    from transfer_queue import interface
+
+    dead = dead_transfer_queue_actors()
+    if not dead:
+        attach()
+        return []
+    owned = _owns_controller
+    for name, namespace in _transfer_queue_actor_names():
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:  # gone already
+            pass
+    detach()
+    interface._TQ_CONTROLLER, interface._TQ_STORAGE = None, None
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while _transfer_queue_actor_names():
+        if time.monotonic() > deadline:
+            raise TransferQueueUnavailableError(
+                f"the dead TransferQueue's actors {_transfer_queue_actor_names()} were still registered with Ray "
+                f"after {RESTART_TIMEOUT_S:g} s; no new TransferQueue was started"
+            )
+        time.sleep(0.2)
+    while True:  # the killed actors' CPUs come back asynchronously
+        try:
+            init_transfer_queue(tq_cfg)
+            break
+        except TransferQueueCapacityError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    _owns_controller = owned
+    return dead
+
+
+def _transfer_queue_actor_names() -> list[tuple[str, str]]:
+    """(name, namespace) of every live actor of TransferQueue's: its controller and storage units."""
+    import ray
+
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"] == _CONTROLLER_NAME or a["name"].startswith(_STORAGE_UNIT_PREFIX)
+    ]
+
+
+def dead_transfer_queue_actors(timeout_s: float = 10.0) -> list[str]:
+    """The TransferQueue actors that are gone or do not answer Ray within ``timeout_s``: the controller, or
+    the storage units its config lists (SimpleStorage). [] when every one is alive."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    live = dict(_transfer_queue_actor_names())
+    if _CONTROLLER_NAME not in live:
+        return [_CONTROLLER_NAME]
+    try:
+        controller = ray.get_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
+        conf = ray.get(controller.get_config.remote(), timeout=timeout_s)
+    except (ValueError, RayActorError, GetTimeoutError):
+        return [_CONTROLLER_NAME]
+    units = list(conf.backend.SimpleStorage.get("zmq_info") or {}) if conf.backend.storage_backend == "SimpleStorage" else []
+    dead = [u for u in units if u not in live]
+    handles = {u: ray.get_actor(u, namespace=live[u]) for u in units if u in live}
+    for unit, handle in handles.items():
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        except (RayActorError, GetTimeoutError):
+            dead.append(unit)
+    return sorted(dead)
+
+
+def _guarded(what: str, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``call(*args, **kwargs)`` (one TQ request), failing with TransferQueueUnavailableError instead of waiting
+    forever when a TransferQueue actor died: a call that fails, or that is still waiting after
+    ``LIVENESS_CHECK_AFTER_S`` (and every few seconds after), checks the actors. The request runs on a daemon
+    thread, so one stuck on a dead peer never holds this process (or its exit)."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = call(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"omniflow-tq-{what}", daemon=True).start()
+    while not done.wait(LIVENESS_CHECK_AFTER_S):
+        dead = dead_transfer_queue_actors()
+        if dead:
+            raise TransferQueueUnavailableError(
+                f"TransferQueue {what}: {', '.join(dead)} died (its process is gone); the request would wait forever"
+            )
+    if "error" in outcome:
+        error = outcome["error"]
+        if isinstance(error, Exception):
+            dead = dead_transfer_queue_actors()
+            if dead:
+                raise TransferQueueUnavailableError(f"TransferQueue {what}: {', '.join(dead)} died: {error}") from error
+        raise error
+    return outcome["value"]
+
+
 # --------------------------------------------------------------------------------------- prompt rows
 def put_prompts(partition: str, uids: Sequence[str], global_step: int) -> None:
     """Register prompt rows (tag only) as ``pending`` for ``global_step``."""
@@ -220,7 +363,7 @@ def put_prompts(partition: str, uids: Sequence[str], global_step: int) -> None:
     if not uids:
         return
     tags = [{"is_prompt": True, "status": PENDING, "global_steps": int(global_step)} for _ in uids]
-    tq.kv_batch_put(keys=uids, partition_id=partition, tags=tags)
+    _guarded("put_prompts", tq.kv_batch_put, keys=uids, partition_id=partition, tags=tags)
 
 
 def set_prompt_status(partition: str, uids: Sequence[str], status: str, reason: str | None = None) -> None:
@@ -236,7 +379,7 @@ def set_prompt_status(partition: str, uids: Sequence[str], status: str, reason: 
     tag: dict[str, Any] = {"status": status}
     if status == FAILURE:
         tag["reason"] = reason or "unknown"
-    tq.kv_batch_put(keys=uids, partition_id=partition, tags=[dict(tag) for _ in uids])
+    _guarded("set_prompt_status", tq.kv_batch_put, keys=uids, partition_id=partition, tags=[dict(tag) for _ in uids])
 
 
 # ----------------------------------------------------------------------------------- trajectory rows
@@ -283,7 +426,8 @@ def put_trajectories(
         full_tags.append({"is_prompt": False, "uid": uid, **tag})
     batch = len(keys)
     columns = {name: _as_column(name, value, batch) for name, value in fields.items()}
-    tq.kv_batch_put(keys=keys, partition_id=partition, fields=TensorDict(columns, batch_size=[batch]), tags=full_tags)
+    data = TensorDict(columns, batch_size=[batch])
+    _guarded("put_trajectories", tq.kv_batch_put, keys=keys, partition_id=partition, fields=data, tags=full_tags)
 
 
 def _densify(value: Any) -> Any:
@@ -316,7 +460,7 @@ def get_trajectories(
         return {}
     fields = list(select_fields) if select_fields else None
     try:
-        data = tq.kv_batch_get(keys=ordered, partition_id=partition, select_fields=fields)
+        data = _guarded("get_trajectories", tq.kv_batch_get, keys=ordered, partition_id=partition, select_fields=fields)
     except ValueError:  # TQ's "keys or partition were not found!" (none there) or "fields not ready"
         _raise_if_missing(partition, ordered)
         raise
@@ -338,7 +482,7 @@ def list_rows(partition: str) -> dict[str, dict[str, Any]]:
     """Every key of ``partition`` with its tag (prompt and trajectory rows); {} for an unknown partition."""
     import transfer_queue as tq
 
-    return dict(tq.kv_list(partition_id=partition).get(partition, {}))
+    return dict(_guarded("list_rows", tq.kv_list, partition_id=partition).get(partition, {}))
 
 
 def clear(partition: str, keys: Sequence[str]) -> None:
@@ -347,32 +491,13 @@ def clear(partition: str, keys: Sequence[str]) -> None:
 
     keys = list(keys)
     if keys:
-        tq.kv_clear(keys=keys, partition_id=partition)
-
-
-def controller_alive(timeout_s: float = 10.0) -> bool:
-    """Whether the cluster's TransferQueue controller answers Ray within ``timeout_s`` (a look-up by name does not
-    say that it still runs, and TQ's own requests to it have no timeout)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    try:
-        handle = ray.get_actor(_CONTROLLER_NAME, namespace=_CONTROLLER_NAMESPACE)
-        ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
-    except (ValueError, RayActorError, GetTimeoutError):
-        return False
-    return True
+        _guarded("clear", tq.kv_clear, keys=keys, partition_id=partition)
 
 
 def clear_partition(partition: str) -> int:
     """Remove every row of ``partition`` (stale rows before a retried epoch, and at the end of a run).
-    Returns how many were removed. Raises TransferQueueUnavailableError when the controller died, whose
-    requests would otherwise wait forever (a run's close would hang)."""
-    if not controller_alive():
-        raise TransferQueueUnavailableError(
-            f"the TransferQueue controller ({_CONTROLLER_NAMESPACE}/{_CONTROLLER_NAME}) is dead; the rows of "
-            f"{partition!r} went with it"
-        )
+    Returns how many were removed. Raises TransferQueueUnavailableError when a TransferQueue actor died
+    (its requests would otherwise wait forever: a run's close would hang)."""
     keys = list(list_rows(partition))
     clear(partition, keys)
     return len(keys)

@@ -262,6 +262,13 @@ class PolicyGradientDiffusionTrainerV1:
                 logging.WARNING,
             )
 
+    def _attach_transfer_queue(self) -> None:
+        """Every process of the run (this one, the training actor, the rollout workers) on the cluster's
+        current TransferQueue: after `restart_transfer_queue` their clients still talk to the dead one."""
+        tqc.attach()
+        handles = [self.actor, *(self.agent_loop.workers if self.agent_loop else [])]
+        ray.get([h.attach_transfer_queue.remote() for h in handles], timeout=ACTOR_CALL_TIMEOUT_S)
+
     def _save_checkpoint(self) -> str:
         t = self.config.trainer
         root = t.checkpoint_dir
@@ -292,6 +299,7 @@ class PolicyGradientDiffusionTrainerV1:
         """Train epoch `epoch` from the last checkpoint written before now; save at its end."""
         self._val_grids = []
         self._restore(self._latest_of_this_run())
+        self._attach_transfer_queue()
         for partition in (self.run.train_partition, self.run.val_partition):
             stale = tqc.clear_partition(partition)
             if stale:

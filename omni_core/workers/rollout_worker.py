@@ -88,6 +88,10 @@ class RolloutWorker:
     def get_version(self) -> int:
         return self.version
 
+    def attach_transfer_queue(self) -> None:
+        """Join the cluster's TransferQueue (again, after a restart: the client of the dead one is dropped)."""
+        tqc.attach()
+
     def placement(self) -> dict[str, Any]:
         """Where this worker's modules are and in what dtype (for the placement tests and the dashboard)."""
         return module_placement(self.policy)

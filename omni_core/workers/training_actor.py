@@ -96,6 +96,12 @@ class TrainingActor:
         """Where the policy's modules are and in what dtype (for the placement tests and the dashboard)."""
         return module_placement(self.policy)
 
+    def attach_transfer_queue(self) -> None:
+        """Join the cluster's TransferQueue (again, after a restart: the client of the dead one is dropped)."""
+        from omni_core.tq.client import attach
+
+        attach()
+
     def get_weights(self) -> dict[str, torch.Tensor]:
         """What the rollout side needs to follow the policy (full state, or the LoRA adapter)."""
         return self.policy.state_dict_for_checkpoint()
