@@ -28,6 +28,9 @@ _RAY_INFRASTRUCTURE = (
     "ConnectionError",  # joining a cluster (ray_kwargs.ray_init.address) that is not reachable yet
     "TimeoutError",
     "StorageUnitTimeout",  # transfer_queue: a live storage unit that did not answer (a dead one is "lost" below)
+    "DistBackendError",  # torch.distributed: a collective whose peer rank died (gloo: connection closed)
+    "DistNetworkError",
+    "RankRestartedError",  # a training rank Ray restarted, asked to train before the epoch formed the group again
 )
 # Never retried, whatever they wrap: the same config / code fails the same way (matched by class name so
 # that this module imports neither the rewards nor the config package).

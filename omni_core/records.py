@@ -32,7 +32,11 @@ class WorkerNames:
 
     @property
     def training_actor(self) -> str:
+        """Rank 0 of the training ranks (the only one with strategy=torch)."""
         return f"omniflow-{self.run_id}-training-actor"
+
+    def training_rank(self, rank: int) -> str:
+        return self.training_actor if rank == 0 else f"{self.training_actor}-rank{rank}"
 
     def rollout_worker(self, i: int) -> str:
         return f"omniflow-{self.run_id}-rollout-worker-{i}"

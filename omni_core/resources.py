@@ -48,7 +48,7 @@ def run_resource_budget(config: Any) -> ResourceBudget:
     trainer = config.trainer
     cpus = {
         "transfer_queue": TQ_CONTROLLER_CPUS + TQ_STORAGE_UNIT_CPUS * units,
-        "training_actor": TRAINING_ACTOR_CPUS,
+        "training_actor": TRAINING_ACTOR_CPUS * trainer.n_gpus_per_node * trainer.nnodes,  # one per rank
         "rollout_workers": ROLLOUT_WORKER_CPUS * workers,
         "fit_epoch_task": FIT_EPOCH_TASK_CPUS,
     }

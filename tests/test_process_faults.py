@@ -218,56 +218,16 @@ def test_a_real_out_of_memory_update_says_which_settings_to_change(tiny_sd3_dir,
 
 
 # ---------------------------------------------------------------------------------------- item 9
-def _kill_when(ckpt, name_part: str, class_name: str, killed: list[int], timeout_s: float = 400) -> None:
-    """Once `ckpt/global_step_1` is complete, SIGKILL the live actor of class `class_name` whose name holds
-    `name_part` (pid from Ray's state API)."""
-    import signal
-    import time
-
-    import ray
-    from ray.util.state import list_actors
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not (ckpt / "global_step_1" / "manifest.json").exists():
-        time.sleep(0.2)
-    actors = list_actors(
-        address=ray.get_runtime_context().gcs_address,
-        filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
-        detail=True,
-        limit=1000,
-    )
-    for actor in actors:
-        if name_part in (actor.name or ""):
-            os.kill(actor.pid, signal.SIGKILL)
-            killed.append(actor.pid)
-
-
-def _run_with_kill(flow_overrides, ckpt, experiment: str, name_part: str, class_name: str):
-    import threading
-
-    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
-
-    killed: list[int] = []
-    watcher = threading.Thread(target=_kill_when, args=(ckpt, name_part, class_name, killed), daemon=True)
-    watcher.start()
-    state = main_diffusion_v1(
-        overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", f"trainer.experiment_name={experiment}"],
-        return_state=True,
-    )
-    watcher.join(timeout=30)
-    return state, killed
-
-
 def test_a_killed_rollout_worker_is_replaced_and_the_weights_match(flow_reference, flow_overrides, tmp_path):
     """SIGKILL the real RolloutWorker's process after the first checkpoint: Ray restarts it (max_restarts),
     it gets the current weights again (or the epoch is retried from its checkpoint if the kill hit a call),
     and the final weights equal the fault-free run's bit for bit; metrics.jsonl keeps one record per step."""
-    from flow_utils import assert_same_weights, final_weights
+    from flow_utils import assert_same_weights, final_weights, run_with_kill
 
     from omni_core.tracking import read_jsonl
 
     ckpt = tmp_path / "ckpt"
-    state, killed = _run_with_kill(flow_overrides, ckpt, "rwkill", "rwkill", "RolloutWorker")
+    state, killed = run_with_kill(flow_overrides, ckpt, "rwkill", "rwkill", "RolloutWorker")
     assert killed, "no rollout worker was found to kill"
     assert state.is_completed(), state.message
     result = state.result()
@@ -311,13 +271,13 @@ def test_a_killed_transfer_queue_actor_is_replaced_and_the_epoch_redone(
     TransferQueue (`restart_transfer_queue`) and redoes the epoch from its checkpoint, and the final weights
     equal the fault-free run's bit for bit; metrics.jsonl keeps one record per step."""
     import ray
-    from flow_utils import assert_same_weights, final_weights
+    from flow_utils import assert_same_weights, final_weights, run_with_kill
 
     from omni_core.tq import client as tqc
     from omni_core.tracking import read_jsonl
 
     ckpt = tmp_path / "ckpt"
-    state, killed = _run_with_kill(flow_overrides, ckpt, f"tqkill-{class_name.lower()}", victim, class_name)
+    state, killed = run_with_kill(flow_overrides, ckpt, f"tqkill-{class_name.lower()}", victim, class_name)
     assert killed, f"no {victim} was found to kill"
     assert state.is_completed(), state.message
     result = state.result()

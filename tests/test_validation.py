@@ -35,7 +35,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     ),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM"),
     (["actor_rollout_ref.rollout.name=vllm_omni"], "actor_rollout_ref.rollout.name", "rollout.name=diffusers"),
-    (["actor_rollout_ref.actor.strategy=fsdp2"], "actor_rollout_ref.actor.strategy", "strategy=torch"),
+    (["actor_rollout_ref.actor.strategy=fsdp2"], "actor_rollout_ref.actor.strategy", "strategy=ddp"),
     (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "not implemented"),
     (["trainer.logger=[console,wandb]"], "trainer.logger", "network"),
     # wrong types and single-field limits
@@ -130,8 +130,25 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "actor_rollout_ref.rollout.n",
         "at least 2",
     ),
-    (["trainer.n_gpus_per_node=4"], "trainer.n_gpus_per_node", "this machine has 2"),
-    (["trainer.nnodes=2"], "trainer.nnodes", "one training rank per run"),
+    (
+        [
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.strategy=ddp",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        ],
+        "trainer.n_gpus_per_node",
+        "this machine has 2",
+    ),
+    (["trainer.nnodes=2"], "actor_rollout_ref.actor.strategy", "asks for 2; use actor_rollout_ref.actor.strategy=ddp"),
+    (
+        [
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.strategy=ddp",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        ],
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "each of the 2 training ranks",
+    ),
     # keys at their only implemented value (REFUSED_WHEN_NOT_DEFAULT); tests/test_config_keys.py covers each
     (
         ["actor_rollout_ref.actor.fsdp_config.param_offload=true"],

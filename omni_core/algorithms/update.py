@@ -10,16 +10,22 @@ Schedule (for each call, i.e. once per training step):
 
     for epoch in ppo_epochs:                      # shuffled with a seeded generator if cfg.shuffle
         for mini_batch in batch:                  # mini_batch_size samples (= ppo_mini_batch_size x n)
-            for micro_batch in mini_batch:        # micro_batch_size samples
+            share = mini_batch.chunk(dp_size)[dp_rank]   # data parallel: this rank's slice (all of it on one rank)
+            for micro_batch in share:             # micro_batch_size samples
                 for j in window steps:            # W
-                    loss_j = (policy loss + kl_coef * KL) / (n_micro * W)
+                    loss_j = (policy loss + kl_coef * KL) / (n_micro * W)   # n_micro: micro-batches of the share
                     loss_j.backward()             # at once: activations of one step only
+            (ranks average their gradients)       # DDP, on the share's last backward
             clip_grad_norm_; optimizer.step(); zero_grad
     lr_scheduler.step()                           # once per training step, as verl-omni
+
+Every rank draws the same permutation (same seed), so the ranks' slices of a mini-batch are disjoint and
+together the whole mini-batch: the averaged gradient is the single-rank gradient of that mini-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +44,7 @@ __all__ = [
     "StepOutput",
     "build_lr_scheduler",
     "build_optimizer",
+    "local_schedule",
     "nonfinite_metrics",
     "ppo_update",
 ]
@@ -83,6 +90,8 @@ class PPOUpdateConfig:
     shuffle: bool
     seed: int
     loss_mode: str = "flow_grpo"
+    dp_rank: int = 0  # this process's data-parallel rank, of dp_size (trainer.n_gpus_per_node x trainer.nnodes)
+    dp_size: int = 1
 
 
 StepFn = Callable[[dict[str, Any], int], StepOutput]
@@ -105,15 +114,32 @@ def nonfinite_metrics(metrics: Mapping[str, float], *, scaled: bool) -> list[str
 
 
 def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
-    mini, micro = cfg.mini_batch_size, cfg.micro_batch_size
+    mini, micro, ranks = cfg.mini_batch_size, cfg.micro_batch_size, cfg.dp_size
     if mini <= 0 or micro <= 0 or cfg.ppo_epochs <= 0:
         raise ValueError(f"mini_batch_size={mini}, micro_batch_size={micro} and ppo_epochs={cfg.ppo_epochs} must all be positive")
+    if not 0 <= cfg.dp_rank < ranks:
+        raise ValueError(f"dp_rank={cfg.dp_rank} must be in [0, dp_size={ranks})")
     if batch_size % mini:
         raise ValueError(
             f"batch of {batch_size} samples is not divisible by mini_batch_size={mini} (ppo_mini_batch_size x rollout.n)"
         )
-    if mini % micro:
-        raise ValueError(f"mini_batch_size={mini} is not divisible by micro_batch_size={micro}")
+    if mini % (micro * ranks):
+        raise ValueError(f"mini_batch_size={mini} is not divisible by micro_batch_size={micro} x dp_size={ranks}")
+
+
+def local_schedule(batch_size: int, cfg: PPOUpdateConfig) -> list[list[Tensor]]:
+    """This rank's sample indices, per (PPO epoch x mini-batch), in the order `ppo_update` trains them.
+
+    The permutation depends only on `cfg.seed`, so every rank draws the same one and takes its own slice of each
+    mini-batch. A caller that holds only some samples reads the indices it needs from here first.
+    """
+    _check_sizes(batch_size, cfg)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    shares = []
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(batch_size, generator=generator) if cfg.shuffle else torch.arange(batch_size)
+        shares.extend(mini.chunk(cfg.dp_size)[cfg.dp_rank] for mini in order.split(cfg.mini_batch_size))
+    return shares
 
 
 def _take(batch: Mapping[str, Any], idx: Tensor) -> dict[str, Any]:
@@ -133,6 +159,7 @@ def ppo_update(
     step_fn: StepFn,
     cfg: PPOUpdateConfig,
     scaler: torch.amp.GradScaler | None = None,
+    no_grad_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> dict[str, float]:
     """Run one training step of Flow-GRPO updates on a batch of trajectories.
 
@@ -146,6 +173,9 @@ def ppo_update(
         cfg: sizes and loss knobs.
         scaler: a gradient scaler for fp16 compute (losses scaled before backward, gradients unscaled
             before clipping; an overflowing step is skipped and the scale lowered), or None.
+        no_grad_sync: with data-parallel ranks (`cfg.dp_size > 1`), a context in which a backward does not
+            average gradients over the ranks (DDP's `no_sync`): every backward of a mini-batch but its last runs
+            in it, so the ranks average once per optimizer step.
 
     Returns:
         Means over all (micro-batch, step) calls of ``actor/pg_loss``, ``actor/pg_clipfrac``,
@@ -157,14 +187,16 @@ def ppo_update(
     """
     loss_fn = get_policy_loss(cfg.loss_mode)
     batch_size, window = batch["old_log_probs"].shape[:2]
-    _check_sizes(batch_size, cfg)
-    n_micro = cfg.mini_batch_size // cfg.micro_batch_size
-    # Every backward adds 1/(n_micro * W) of a mini-batch's mean loss: gradients then equal those of
-    # the mean over the mini-batch and its window steps, whatever the micro-batch split.
+    shares = local_schedule(batch_size, cfg)
+    n_micro = cfg.mini_batch_size // cfg.dp_size // cfg.micro_batch_size
+    # Every backward adds 1/(n_micro * W) of the rank's share of a mini-batch's mean loss: gradients then equal
+    # those of the mean over the share and its window steps, whatever the micro-batch split; the ranks' average
+    # is the mean over the whole mini-batch.
     scale = 1.0 / (n_micro * window)
     params = [p for p in model.parameters() if p.requires_grad]
-    generator = torch.Generator().manual_seed(cfg.seed)
     lr = float(optimizer.param_groups[0]["lr"])
+    if cfg.dp_size > 1 and no_grad_sync is None:
+        raise ValueError(f"dp_size={cfg.dp_size} needs no_grad_sync (DDP's no_sync) to average once per mini-batch")
 
     sums: dict[str, Tensor] = {}
     n_terms = 0
@@ -172,16 +204,15 @@ def ppo_update(
     skipped = 0
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    for _ in range(cfg.ppo_epochs):
-        if cfg.shuffle:
-            order = torch.randperm(batch_size, generator=generator)
-        else:
-            order = torch.arange(batch_size)
-        for mini_idx in order.split(cfg.mini_batch_size):
-            for micro_idx in mini_idx.split(cfg.micro_batch_size):
-                micro = _take(batch, micro_idx)
-                adv = micro["advantages"]
-                for j in range(window):
+    for share in shares:
+        micro_batches = share.split(cfg.micro_batch_size)
+        for m, micro_idx in enumerate(micro_batches):
+            micro = _take(batch, micro_idx)
+            adv = micro["advantages"]
+            for j in range(window):
+                last = m == len(micro_batches) - 1 and j == window - 1
+                sync = contextlib.nullcontext() if last or no_grad_sync is None else no_grad_sync()
+                with sync:
                     out = step_fn(micro, j)
                     adv_j = adv[:, j] if adv.dim() == 2 else adv
                     loss, metrics = loss_fn(
@@ -208,9 +239,9 @@ def ppo_update(
                     for key, value in metrics.items():
                         sums[key] = sums[key] + value if key in sums else value
                     n_terms += 1
-            grad_norm, applied = _optimizer_step(optimizer, params, cfg.grad_clip, scaler)
-            grad_norms.append(grad_norm)
-            skipped += not applied
+        grad_norm, applied = _optimizer_step(optimizer, params, cfg.grad_clip, scaler)
+        grad_norms.append(grad_norm)
+        skipped += not applied
     if lr_scheduler is not None:
         lr_scheduler.step()
 

@@ -24,7 +24,6 @@ _VAL_PIPELINE = (
     "validation images use actor_rollout_ref.rollout.pipeline's size, guidance and sequence length; only "
     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps differs. Remove this key."
 )
-_SCALE_OUT = "data-parallel training ranks are not implemented yet (scale-out issue); one training rank per run. Set it to 1."
 _ASYNC = (
     "sampler staleness, group refill and trainer.v1.separate_async are the async issue's work; sync mode trains "
     "on-policy and fails a step whose prompt group failed. Keep the default."
@@ -141,8 +140,13 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
         "sglang": "SGLang rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",
     },
     "actor_rollout_ref.actor.strategy": {
-        s: f"{s} is not available in OmniFlow; use actor_rollout_ref.actor.strategy=torch."
-        for s in ("fsdp", "fsdp2", "veomni", "megatron")
+        **{
+            s: f"{s} is not available in OmniFlow; use actor_rollout_ref.actor.strategy=ddp (data-parallel ranks, full "
+            "parameters on each) or torch (one rank)."
+            for s in ("fsdp", "veomni", "megatron")
+        },
+        "fsdp2": "sharded FSDP2 ranks are not implemented yet (scale-out issue); use actor_rollout_ref.actor.strategy=ddp "
+        "(data-parallel ranks, full parameters on each) or torch (one rank).",
     },
     "actor_rollout_ref.rollout.algo.sde_type": {
         "dance_sde": "the DanceGRPO SDE is not implemented; use sde_type=sde or cps.",
@@ -186,8 +190,6 @@ REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
         "rewards are scored inside each rollout worker as its images finish (streaming reward); scale them "
         "with actor_rollout_ref.rollout.agent.num_workers and leave reward.num_workers unset."
     ),
-    "trainer.nnodes": _SCALE_OUT,
-    "trainer.n_gpus_per_node": _SCALE_OUT,
     "trainer.use_v1": "OmniFlow implements only the v1 (TransferQueue) trainer; set trainer.use_v1=true.",
     **{
         f"trainer.v1.sampler.{k}": _ASYNC

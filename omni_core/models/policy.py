@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,6 +61,7 @@ class FlowPolicy:
     ):
         self.device = torch.device(device)
         self.dtype = dtype
+        self._forward_module: torch.nn.Module | None = None  # see `forward_through`
         self.compute_dtype = compute_dtype if compute_dtype not in (None, dtype) else None
         is_lora = bool(lora_rank or lora_adapter_path)
         if trainable and not is_lora and dtype != torch.float32:
@@ -207,9 +209,13 @@ class FlowPolicy:
             fwd_cond = {k: torch.cat([cond["negative_" + k].to(self.device, self.dtype), v]) for k, v in fwd_cond.items()}
             x, t = torch.cat([x, x]), torch.cat([t, t])
 
-        model, adapter_ctx, grad_ctx = self.transformer, contextlib.nullcontext(), contextlib.nullcontext()
+        model, adapter_ctx, grad_ctx = (
+            self._forward_module or self.transformer,
+            contextlib.nullcontext(),
+            contextlib.nullcontext(),
+        )
         if use_reference:
-            grad_ctx = torch.no_grad()
+            grad_ctx, model = torch.no_grad(), self.transformer
             if self.is_lora:
                 adapter_ctx = self.transformer.disable_adapter()
             else:
@@ -221,6 +227,17 @@ class FlowPolicy:
             uncond, cond_out = out.chunk(2)
             out = uncond + guidance_scale * (cond_out - uncond)
         return out
+
+    @contextlib.contextmanager
+    def forward_through(self, module: torch.nn.Module | None) -> Iterator[None]:
+        """Within: the trained transformer's forwards (not the reference's) run through `module`, a wrapper of
+        `self.transformer` such as `DistributedDataParallel`, whose forward prepares the gradient averaging of
+        the backward that follows. None changes nothing."""
+        before, self._forward_module = self._forward_module, module
+        try:
+            yield
+        finally:
+            self._forward_module = before
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision of the transformer forward (``compute_dtype``), or nothing when it equals ``dtype``."""

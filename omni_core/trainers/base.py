@@ -46,6 +46,7 @@ from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
+from omni_core.training_ranks import TrainingRanks
 from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.worker_pool import actor_options, create_pool, remove_pool
 
@@ -69,7 +70,8 @@ class PolicyGradientDiffusionTrainerV1:
     def __init__(self, config: OmniFlowConfig, run: RunInfo):
         self.config = config
         self.run = run
-        self.actor: Any = None
+        self.actor: Any = None  # rank 0 of `ranks`
+        self.ranks: TrainingRanks | None = None
         self.agent_loop: AgentLoopManager | None = None
         self.dataloader: PromptDataLoader | None = None
         self.val_records: list[PromptRecord] = []
@@ -135,22 +137,17 @@ class PolicyGradientDiffusionTrainerV1:
         self.val_records = val_records
 
     def _init_training_actor(self) -> None:
-        from omni_core.workers.training_actor import TrainingActor  # diffusers: only where the actor starts
-
-        if self.actor is not None:
-            return  # a retried init_trainer: keep the actor (and its owning handle) of the failed try; `_restore` resets it
+        if self.ranks is not None:
+            return  # a retried init_trainer: keep the ranks (and their owning handles) of the failed try; `_restore` resets them
         names, plan = self.run.names, resource_plan(self.config)
         pool = create_pool(plan, names)
-        remote = ray.remote(TrainingActor)
-        # get_if_exists: an actor of this run started by another handle is reused instead of failing on
-        # "name already taken".
-        self.actor = remote.options(
-            name=names.training_actor,
-            namespace=names.namespace,
-            max_restarts=3,
-            get_if_exists=True,
-            **actor_options(pool, plan.training[0], plan),
-        ).remote(self.config.model_dump(mode="json"), self.total_training_steps, cpu_threads(1))
+        options = [actor_options(pool, slot, plan) for slot in plan.training]
+        # get_if_exists (in `create`): actors of this run started by another handle are reused instead of failing
+        # on "name already taken".
+        self.ranks = TrainingRanks.create(
+            self.config, names, plan, options, self.total_training_steps, cpu_threads(len(plan.training))
+        )
+        self.actor = self.ranks.leader
 
     def _load_checkpoint(self) -> None:
         """Resume point of the run (`trainer.resume_mode`); the actor is reset to it.
@@ -192,8 +189,9 @@ class PolicyGradientDiffusionTrainerV1:
     # ------------------------------------------------------------------------ attach / close (any process)
     def attach(self) -> None:
         """Find the run's actors by name (a `fit_epoch` task on a Ray worker) and join the TQ."""
-        names = self.run.names
-        self.actor = ray.get_actor(names.training_actor, namespace=names.namespace)
+        names, t = self.run.names, self.config.trainer
+        self.ranks = TrainingRanks.attach(names, t.n_gpus_per_node * t.nnodes)
+        self.actor = self.ranks.leader
         self.agent_loop = AgentLoopManager.attach(names, self.config.actor_rollout_ref.rollout.agent.num_workers)
         tqc.attach()
 
@@ -208,10 +206,10 @@ class PolicyGradientDiffusionTrainerV1:
                 logger.debug("could not clear %s: %s", partition, exc)
         if self.agent_loop is not None:
             self.agent_loop.close()
-        if self.actor is not None:
-            ray.kill(self.actor, no_restart=True)  # also fine for an actor that already died
+        if self.ranks is not None:
+            self.ranks.kill()
             remove_pool(self.run.names)
-        self.actor, self.agent_loop = None, None
+        self.actor, self.ranks, self.agent_loop = None, None, None
 
     # ------------------------------------------------------------------------ restore / save
     def _latest_of_this_run(self) -> str | None:
@@ -228,7 +226,8 @@ class PolicyGradientDiffusionTrainerV1:
 
     def _await_actors(self, timeout_s: float = ACTOR_RESTART_TIMEOUT_S) -> None:
         """Wait (bounded) for actors that Ray is restarting after a crash (they reload the base model)."""
-        handles = [self.actor, *(self.agent_loop.workers if self.agent_loop else [])]
+        assert self.ranks is not None
+        handles = [*self.ranks.handles, *(self.agent_loop.workers if self.agent_loop else [])]
         deadline = time.monotonic() + timeout_s
         for handle in handles:
             while True:
@@ -241,8 +240,9 @@ class PolicyGradientDiffusionTrainerV1:
                     time.sleep(1.0)
 
     def _restore(self, path: str | None) -> None:
-        """Controller state from `path` (None: a fresh start); the actor reloads if its weights differ."""
-        assert self.dataloader is not None
+        """Controller state from `path` (None: a fresh start); a rank whose weights differ reloads, and the ranks
+        form their group again if one of them was restarted."""
+        assert self.dataloader is not None and self.ranks is not None
         self._await_actors()
         if path is None:
             self.global_step = 0
@@ -254,19 +254,22 @@ class PolicyGradientDiffusionTrainerV1:
             self.dataloader.load_state_dict(ckpt.read_state(path, "dataloader"))
             ckpt.restore_rng_state(ckpt.read_state(path, "rng"))
             target = self.global_step
-        version = ray.get(self.actor.get_version.remote(), timeout=ACTOR_CALL_TIMEOUT_S)
-        if version != target or path is None and version != 0:
-            ray.get(self.actor.reset.remote(path), timeout=ACTOR_CALL_TIMEOUT_S)
-            self._log(
-                f"training actor reset to {'step ' + str(target) if path else 'the base model'} (its weights were at step {version})",
-                logging.WARNING,
-            )
+        versions = self.ranks.versions(ACTOR_CALL_TIMEOUT_S)
+        stale = [r for r, v in enumerate(versions) if v != target or path is None and v != 0]
+        ray.get([self.ranks.handles[r].reset.remote(path) for r in stale], timeout=ACTOR_CALL_TIMEOUT_S)
+        for r in stale:
+            who = "training actor" if self.ranks.world_size == 1 else f"training rank {r}"
+            where = "step " + str(target) if path else "the base model"
+            self._log(f"{who} reset to {where} (its weights were at step {versions[r]})", logging.WARNING)
+        if self.ranks.form_group(ACTOR_CALL_TIMEOUT_S) and stale:
+            self._log(f"the {self.ranks.world_size} training ranks formed their process group again", logging.WARNING)
 
     def _attach_transfer_queue(self) -> None:
         """Every process of the run (this one, the training actor, the rollout workers) on the cluster's
         current TransferQueue: after `restart_transfer_queue` their clients still talk to the dead one."""
         tqc.attach()
-        handles = [self.actor, *(self.agent_loop.workers if self.agent_loop else [])]
+        assert self.ranks is not None
+        handles = [*self.ranks.handles, *(self.agent_loop.workers if self.agent_loop else [])]
         ray.get([h.attach_transfer_queue.remote() for h in handles], timeout=ACTOR_CALL_TIMEOUT_S)
 
     def _save_checkpoint(self) -> str:
@@ -376,9 +379,8 @@ class PolicyGradientDiffusionTrainerV1:
                     norm_adv_by_std=self.config.algorithm.norm_adv_by_std_in_grpo,
                     global_std=self.config.algorithm.global_std,
                 )
-            actor_metrics = ray.get(
-                self.actor.train_step.remote(self.run.train_partition, keys, advantages, step), timeout=ACTOR_CALL_TIMEOUT_S
-            )
+            assert self.ranks is not None
+            actor_metrics = self.ranks.train_step(self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S)
             for name in ("old_log_prob", "update_actor"):
                 timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")
             metrics: dict[str, float] = {**actor_metrics, **data_metrics(rewards[ok], advantages[ok], group[ok])}

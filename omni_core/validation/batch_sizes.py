@@ -24,11 +24,24 @@ def batch_size_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         )
     mini_samples = mbs * rollout.n
     micro = actor.ppo_micro_batch_size_per_gpu
+    ranks = config.trainer.n_gpus_per_node * config.trainer.nnodes
     if mini_samples % micro:
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 f"must divide a mini-batch of ppo_mini_batch_size x rollout.n = {mbs} x {rollout.n} = {mini_samples} samples",
+                micro,
+            )
+        )
+    elif mini_samples % (ranks * micro):
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                f"each of the {ranks} training ranks (trainer.n_gpus_per_node x trainer.nnodes) takes "
+                f"{mini_samples}/{ranks} samples of a {mini_samples}-sample mini-batch (ppo_mini_batch_size x rollout.n), "
+                f"in micro-batches of this size: that share must be a whole number of micro-batches; try "
+                f"ppo_micro_batch_size_per_gpu={max(1, mini_samples // ranks)} or a mini-batch that is a multiple of "
+                f"{ranks * micro} samples",
                 micro,
             )
         )

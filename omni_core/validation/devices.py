@@ -33,6 +33,18 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
                 requested,
             )
         )
+    ranks = trainer.n_gpus_per_node * trainer.nnodes
+    strategy = config.actor_rollout_ref.actor.strategy
+    if ranks > 1 and strategy == "torch":
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.strategy",
+                f"torch trains on one rank, but trainer.n_gpus_per_node x trainer.nnodes = {trainer.n_gpus_per_node} x "
+                f"{trainer.nnodes} asks for {ranks}; use actor_rollout_ref.actor.strategy=ddp (data-parallel ranks) or "
+                "one rank",
+                strategy,
+            )
+        )
     # A reservation that cannot be met hangs forever (DESIGN.md section 7). A joined cluster is checked
     # once connected; a local one declares ray_init.num_cpus (and num_gpus, when set).
     budget = run_resource_budget(config)

@@ -6,6 +6,13 @@ itself, so latents and embeddings never pass through the controller, recomputes 
 in the same micro-batch layout as the update (so the first on-policy ratio is exactly 1 in fp32),
 runs `ppo_update`, and saves / loads its part of a checkpoint (`global_step_N/actor/`).
 
+Data parallel (`actor.strategy=ddp`): `trainer.n_gpus_per_node x trainer.nnodes` of these actors, one per rank,
+form one `torch.distributed` group (NCCL on cuda, HCCL on npu, gloo on cpu; `join_process_group`) and wrap the
+transformer in `DistributedDataParallel`. Each rank reads from the TransferQueue only the samples of its
+slices of the step's mini-batches (`algorithms.update.local_schedule`), recomputes their old log-probs, and
+trains on them; DDP averages the gradients once per mini-batch, so every rank takes the same optimizer step
+as one rank would on the whole batch. Rank 0 saves the checkpoint and serves the weights to the rollout side.
+
 Placement and precision come from `omni_core.models.placement`: the transformer on `trainer.device`
 (the GPU Ray assigned), fp32 master weights and optimizer state, the forward/backward under autocast in
 `actor.fsdp_config.dtype`, and a gradient scaler when that is fp16. Each step reports how far the
@@ -15,8 +22,10 @@ where a reduced-precision rollout shows its drift.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +38,7 @@ from omni_core.algorithms.update import (
     StepOutput,
     build_lr_scheduler,
     build_optimizer,
+    local_schedule,
     nonfinite_metrics,
     ppo_update,
 )
@@ -44,6 +54,17 @@ from omni_core.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
+# torch.distributed backend of each device type.
+PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+# A collective that waits this long for a rank fails instead of holding the others (a dead rank's peers
+# usually fail at once: gloo sees the closed connection).
+PROCESS_GROUP_TIMEOUT_S = 600
+
+
+class RankRestartedError(RuntimeError):
+    """A data-parallel rank was asked to train without a process group: Ray restarted its process mid-epoch.
+    An infrastructure failure (`faults.is_retryable`): the retried epoch resets the ranks and forms the group."""
+
 
 def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> dict[str, float]:
     """verl's `training/rollout_probs_diff_{max,mean}`: |rollout log-prob - recomputed old log-prob| over every
@@ -57,13 +78,25 @@ def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Ten
 class TrainingActor:
     """The trained policy + optimizer. Created once per run from the flow process (as a Ray actor)."""
 
-    def __init__(self, config: dict[str, Any], total_training_steps: int, num_threads: int, text_encoders: bool = False):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        total_training_steps: int,
+        num_threads: int,
+        text_encoders: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         """`text_encoders=True` keeps the pipeline's text encoders loaded, for in-process use that also samples
-        with this policy (benchmarks/plain_loop.py); the Ray actor reads prompt embeddings from trajectories."""
+        with this policy (benchmarks/plain_loop.py); the Ray actor reads prompt embeddings from trajectories.
+        `rank` of `world_size` data-parallel ranks: the group forms in `join_process_group`."""
         torch.set_num_threads(num_threads)
         self.config: OmniFlowConfig = config_from_dict(config)
         self.total_training_steps = total_training_steps
         self.text_encoders = text_encoders
+        self.rank, self.world_size = rank, world_size
+        self.ddp: torch.nn.Module | None = None  # DistributedDataParallel over the transformer, with world_size > 1
+        self.group_generation: int | None = None
         # Training steps in a row whose loss or grad norm was not finite (`train_on`). Not cleared by `reset`:
         # a retried epoch that hits the same fault fails at its first such step; a finite step clears it, and a
         # restarted actor process starts from 0.
@@ -96,6 +129,45 @@ class TrainingActor:
         """Where the policy's modules are and in what dtype (for the placement tests and the dashboard)."""
         return module_placement(self.policy)
 
+    # ------------------------------------------------------------------------------- data-parallel group
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: this node's IP and a free TCP port, where the ranks meet to form their group."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+            return address, probe.getsockname()[1]
+
+    def join_process_group(self, address: str, port: int, generation: int) -> int:
+        """Form the ranks' `torch.distributed` group anew (every rank calls this at once) and wrap the transformer
+        in DistributedDataParallel. A group of an earlier generation (before a rank was restarted) is destroyed
+        first. Returns `generation`."""
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        device = self.policy.device
+        dist.init_process_group(
+            backend=PROCESS_GROUP_BACKENDS[device.type],
+            init_method=f"tcp://{address}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+        )
+        # Buffers are equal on every rank (same checkpoint); not broadcasting them keeps forwards free of
+        # collectives, so ranks may run different numbers of no-grad forwards (old log-probs, reference).
+        device_ids = [device.index or 0] if device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.policy.transformer, device_ids=device_ids, broadcast_buffers=False)
+        self.group_generation = generation
+        return generation
+
+    def get_group_generation(self) -> int | None:
+        """The generation of the group this rank is in (None: none yet, e.g. after Ray restarted the process)."""
+        return self.group_generation
+
     def attach_transfer_queue(self) -> None:
         """Join the cluster's TransferQueue (again, after a restart: the client of the dead one is dropped)."""
         from omni_core.tq.client import attach
@@ -115,7 +187,8 @@ class TrainingActor:
         a change (`checkpoint.compat`), this applies it, and the LR schedule's base follows the new lr.
         """
         if checkpoint is None:
-            self._build()
+            self._build()  # a new transformer: the trainer forms the group again (join_process_group) before training
+            self.ddp, self.group_generation = None, None
             return self.version
         actor = Path(checkpoint) / "actor"
         if not (actor / "optimizer.pt").is_file():
@@ -192,6 +265,8 @@ class TrainingActor:
             shuffle=actor.shuffle,
             seed=actor.data_loader_seed + global_step,
             loss_mode=actor.diffusion_loss.loss_mode,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
         )
 
     def _score(self, traj: Trajectory, j: int, use_reference: bool = False):
@@ -239,45 +314,74 @@ class TrainingActor:
                 out[idx, j] = self._score(part, j, use_reference=True)[1].float().cpu()
         return out
 
+    def local_samples(self, batch_size: int, global_step: int) -> list[int]:
+        """The step's sample indices this rank trains on (all of them on one rank), sorted."""
+        shares = local_schedule(batch_size, self._update_config(global_step))
+        return sorted({int(i) for share in shares for i in share})
+
     def train_step(self, partition: str, keys: list[str], advantages: torch.Tensor, global_step: int) -> dict[str, float]:
-        """One training step on the rows `keys` (sorted) of `partition`: old log-probs, PPO update."""
+        """One training step on the rows `keys` (sorted) of `partition`: old log-probs, PPO update. A data-parallel
+        rank reads only the rows of its slices of the mini-batches."""
         from omni_core.tq.client import get_trajectories
 
         t0 = time.perf_counter()
-        traj = Trajectory.from_columns(get_trajectories(partition, keys))
-        metrics = self.train_on(traj, advantages, global_step)
+        samples = self.local_samples(len(keys), global_step)
+        traj = Trajectory.from_columns(get_trajectories(partition, [keys[i] for i in samples]))
+        metrics = self.train_on(traj, advantages, global_step, samples=samples)
         metrics["timing_s/old_log_prob"] += time.perf_counter() - t0 - metrics.pop("_train_s")
         return metrics
 
-    def train_on(self, traj: Trajectory, advantages: torch.Tensor, global_step: int) -> dict[str, float]:
-        """Old log-probs (or the rollout's, in bypass mode) then the PPO update of one training step."""
+    def train_on(
+        self, traj: Trajectory, advantages: torch.Tensor, global_step: int, samples: list[int] | None = None
+    ) -> dict[str, float]:
+        """Old log-probs (or the rollout's, in bypass mode) then the PPO update of one training step.
+
+        `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all of them, in
+        order), which must include every sample of this rank's slices (`local_samples`).
+        """
         t0 = time.perf_counter()
+        batch_size = advantages.shape[0]
+        rows = list(range(batch_size)) if samples is None else list(samples)
         bypass = self.config.algorithm.rollout_correction.bypass_mode
-        old = traj.log_probs if bypass else self._old_log_probs(traj)
-        drift = {} if bypass else rollout_probs_diff(traj.log_probs, old)
+        old_local = traj.log_probs if bypass else self._old_log_probs(traj)
+        drift = {} if bypass else rollout_probs_diff(traj.log_probs, old_local)
         ref_means = self._reference_means(traj) if self.config.actor_rollout_ref.actor.use_kl_loss else None
+        # The batch is indexed by the step's sample number; `row_of` finds a sample's row in `traj` (-1: another rank's).
+        row_of = torch.full((batch_size,), -1, dtype=torch.long)
+        row_of[rows] = torch.arange(len(rows))
+        old = torch.full((batch_size, traj.window_size), float("nan"))
+        old[rows] = old_local.float()
         t1 = time.perf_counter()
 
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
-            part = traj.index_select(mb["sample"])
+            local = row_of[mb["sample"]]
+            part = traj.index_select(local)
             log_prob, mean, std = self._score(part, j)
             ref_mean = None
             if ref_means is not None:  # the reference policy's mean of the same transition (no gradient)
-                ref_mean = ref_means[mb["sample"], j].to(mean.device)
+                ref_mean = ref_means[local, j].to(mean.device)
             return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
 
-        # ppo_update slices every tensor by sample; `sample` tells step_fn which trajectory rows it got.
-        batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(traj.batch_size)}
+        # ppo_update slices every tensor by sample; `sample` tells step_fn which samples it got.
+        batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(batch_size)}
         self.policy.transformer.train()
-        metrics = ppo_update(
-            self.policy.transformer,
-            self.optimizer,
-            self.lr_scheduler,
-            batch,
-            step_fn=step_fn,
-            cfg=self._update_config(global_step),
-            scaler=self.grad_scaler,
-        )
+        if self.world_size > 1 and self.ddp is None:
+            raise RankRestartedError(
+                f"training rank {self.rank} of {self.world_size} has no process group (Ray restarted it); the epoch is "
+                "retried from its checkpoint, which forms the group again"
+            )
+        no_sync = self.ddp.no_sync if self.ddp is not None else None
+        with self.policy.forward_through(self.ddp):  # DDP's forward, then the averaging backward (one rank: as is)
+            metrics = ppo_update(
+                self.policy.transformer,
+                self.optimizer,
+                self.lr_scheduler,
+                batch,
+                step_fn=step_fn,
+                cfg=self._update_config(global_step),
+                scaler=self.grad_scaler,
+                no_grad_sync=no_sync,
+            )
         metrics.update(drift)
         self.policy.transformer.eval()
         self._count_nonfinite(metrics, global_step)

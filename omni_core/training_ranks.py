@@ -1,0 +1,100 @@
+"""The run's training ranks: `trainer.n_gpus_per_node x trainer.nnodes` `TrainingActor`s, called as one.
+
+verl-omni runs its actor as a worker group over a Ray resource pool; here each rank is a named Ray actor in
+its bundle of the run's placement group (`resources.resource_plan`, `worker_pool`), rank 0 under the name a
+one-rank run has. With more than one rank (`actor.strategy=ddp`) they form one `torch.distributed` group
+(`form_group`: rank 0 offers the rendezvous address, every rank joins at once). A rank that Ray restarted
+after its process died comes back without a group, so the group is formed again at the start of every
+epoch whenever the ranks do not all report the same one.
+
+Rank 0 saves checkpoints and serves weights; `train_step` calls every rank and merges their metrics (means
+of equal shares; maxima for timings and worst-case figures).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from omni_core.records import WorkerNames
+from omni_core.resources import ResourcePlan
+
+# Metrics whose merge over ranks is the maximum (the slowest rank, the worst sample), not the mean.
+_MAX_METRICS = ("training/rollout_probs_diff_max", "actor/nonfinite_streak")
+
+
+def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from every rank's: the mean (each rank trained an equal share of the samples), the
+    maximum for `timing_s/*` and the worst-case figures."""
+    merged: dict[str, float] = {}
+    for key in per_rank[0]:
+        values = [m[key] for m in per_rank]
+        if key.startswith("timing_s/") or key in _MAX_METRICS:
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(values) / len(values)
+    return merged
+
+
+class TrainingRanks:
+    """Handles of the run's training actors, rank 0 first."""
+
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    @property
+    def leader(self) -> Any:
+        """Rank 0: checkpoints, weights for the rollout side, the version every rank shares."""
+        return self.handles[0]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.handles)
+
+    @classmethod
+    def create(
+        cls, config: Any, names: WorkerNames, plan: ResourcePlan, options: list[dict[str, Any]], total_steps: int, threads: int
+    ) -> TrainingRanks:
+        """Start one actor per rank (or find the ones of this run that exist: a retried init keeps them)."""
+        from omni_core.workers.training_actor import TrainingActor  # diffusers: only where the actors start
+
+        remote = ray.remote(TrainingActor)
+        world = len(plan.training)
+        handles = [
+            remote.options(
+                name=names.training_rank(rank), namespace=names.namespace, max_restarts=3, get_if_exists=True, **options[rank]
+            ).remote(config.model_dump(mode="json"), total_steps, threads, rank=rank, world_size=world)
+            for rank in range(world)
+        ]
+        return cls(handles)
+
+    @classmethod
+    def attach(cls, names: WorkerNames, world_size: int) -> TrainingRanks:
+        """The run's ranks by name (from a `fit_epoch` task on another Ray worker)."""
+        return cls([ray.get_actor(names.training_rank(r), namespace=names.namespace) for r in range(world_size)])
+
+    def form_group(self, timeout_s: float) -> bool:
+        """Make every rank a member of one live group; True when a new one was formed. Nothing to do for one
+        rank, or when all ranks report the same generation (none was restarted since it formed)."""
+        if self.world_size == 1:
+            return False
+        generations = ray.get([h.get_group_generation.remote() for h in self.handles], timeout=timeout_s)
+        if generations[0] is not None and len(set(generations)) == 1:
+            return False
+        generation = max((g for g in generations if g is not None), default=0) + 1
+        address, port = ray.get(self.leader.rendezvous_address.remote(), timeout=timeout_s)
+        ray.get([h.join_process_group.remote(address, port, generation) for h in self.handles], timeout=timeout_s)
+        return True
+
+    def train_step(self, partition: str, keys: list[str], advantages: Any, step: int, timeout_s: float) -> dict[str, float]:
+        """One training step on every rank (each reads its own samples); the merged metrics."""
+        calls = [h.train_step.remote(partition, keys, advantages, step) for h in self.handles]
+        return merge_rank_metrics(ray.get(calls, timeout=timeout_s))
+
+    def versions(self, timeout_s: float) -> list[int]:
+        return ray.get([h.get_version.remote() for h in self.handles], timeout=timeout_s)
+
+    def kill(self) -> None:
+        for handle in self.handles:
+            ray.kill(handle, no_restart=True)  # also fine for an actor that already died
