@@ -151,3 +151,15 @@ def flow_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp
     state = main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}"], return_state=True)
     assert state.is_completed(), state.message
     return state, state.result(), ckpt
+
+
+@pytest.fixture(scope="session")
+def two_rank_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
+    """The uninterrupted in-process run of the lean config on two ranks: (final state, checkpoint dir)."""
+    from flow_utils import TWO_RANKS
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    ckpt = tmp_path_factory.mktemp("two_ranks") / "ckpt"
+    state = main_diffusion_v1(overrides=[*flow_overrides, *TWO_RANKS, f"trainer.default_local_dir={ckpt}"], return_state=True)
+    assert state.is_completed(), state.message
+    return state, ckpt

@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+# The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
+TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
+
 
 def final_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     root = Path(checkpoint_dir)

@@ -96,9 +96,18 @@ def reference_weights(flow_reference):
     return final_weights(flow_reference[2])
 
 
-def test_sigkilled_run_resumes_to_identical_weights(flow_overrides, tmp_path, prefect_api, reference_weights):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigkilled_run_resumes_to_identical_weights(flow_overrides, tmp_path, prefect_api, request, ranks):
+    """One training rank, and two data-parallel ranks (gloo): the resumed run ends with the uninterrupted run's
+    weights of the same rank count, bit for bit."""
+    from flow_utils import TWO_RANKS
+
+    if ranks == 1:
+        reference_weights = request.getfixturevalue("reference_weights")
+    else:
+        reference_weights = final_weights(request.getfixturevalue("two_rank_reference")[1])
     ckpt = tmp_path / "ckpt"
-    overrides = [*flow_overrides, f"trainer.default_local_dir={ckpt}"]
+    overrides = [*flow_overrides, *(TWO_RANKS if ranks == 2 else []), f"trainer.default_local_dir={ckpt}"]
     env = _env(PREFECT_API_URL=prefect_api)
 
     first = _train(overrides, env, tmp_path / "first.log")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flow_utils import TWO_RANKS
 
 from omni_core.config import load_config
 from omni_core.models.placement import rollout_policy_kwargs
@@ -93,20 +94,6 @@ def test_two_ranks_take_the_one_rank_step_and_every_ratio_is_one(ray_cluster, ti
         assert worst <= RELATIVE_BOUND
     finally:
         ranks.kill()
-
-
-TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
-
-
-@pytest.fixture(scope="module")
-def two_rank_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
-    """The uninterrupted two-rank run of the lean flow config: (final state, checkpoint dir)."""
-    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
-
-    ckpt = tmp_path_factory.mktemp("two_ranks") / "ckpt"
-    state = main_diffusion_v1(overrides=[*flow_overrides, *TWO_RANKS, f"trainer.default_local_dir={ckpt}"], return_state=True)
-    assert state.is_completed(), state.message
-    return state, ckpt
 
 
 def test_a_two_rank_flow_run_trains_what_one_rank_trains(two_rank_reference, flow_reference):
