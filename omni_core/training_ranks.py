@@ -2,13 +2,15 @@
 
 verl-omni runs its actor as a worker group over a Ray resource pool; here each rank is a named Ray actor in
 its bundle of the run's placement group (`resources.resource_plan`, `worker_pool`), rank 0 under the name a
-one-rank run has. With more than one rank (`actor.strategy=ddp`) they form one `torch.distributed` group
-(`form_group`: rank 0 offers the rendezvous address, every rank joins at once). A rank that Ray restarted
-after its process died comes back without a group, so the group is formed again at the start of every
-epoch whenever the ranks do not all report the same one.
+one-rank run has. With more than one rank (`actor.strategy=ddp`), or with `fsdp2`, they form one
+`torch.distributed` group (`form_group`: rank 0 offers the rendezvous address, every rank joins at once). A
+rank that Ray restarted after its process died comes back without a group, so `restore` (at the start of
+every epoch) forms the group again whenever the ranks do not all report the same one.
 
-Rank 0 saves checkpoints and serves weights; `train_step` calls every rank and merges their metrics (means
-of equal shares; maxima for timings and worst-case figures).
+ddp / torch: rank 0 saves checkpoints and serves weights, a rank whose weights differ from the checkpoint
+reloads on its own. fsdp2: those are collective, so every rank saves (its shards) and gathers the weights,
+and any difference makes all ranks rebuild, shard and load the checkpoint together. `train_step` calls
+every rank and merges their metrics (means of equal shares; maxima for timings and worst-case figures).
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 class TrainingRanks:
     """Handles of the run's training actors, rank 0 first."""
 
-    def __init__(self, handles: list[Any]):
+    def __init__(self, handles: list[Any], strategy: str = "torch"):
         self.handles = handles
+        self.strategy = strategy
+
+    @property
+    def collective(self) -> bool:
+        """Saving, gathering weights and restoring need every rank (the parameters are shards)."""
+        return self.strategy == "fsdp2"
 
     @property
     def leader(self) -> Any:
@@ -67,25 +75,64 @@ class TrainingRanks:
             ).remote(config.model_dump(mode="json"), total_steps, threads, rank=rank, world_size=world)
             for rank in range(world)
         ]
-        return cls(handles)
+        return cls(handles, config.actor_rollout_ref.actor.strategy)
 
     @classmethod
-    def attach(cls, names: WorkerNames, world_size: int) -> TrainingRanks:
+    def attach(cls, names: WorkerNames, world_size: int, strategy: str) -> TrainingRanks:
         """The run's ranks by name (from a `fit_epoch` task on another Ray worker)."""
-        return cls([ray.get_actor(names.training_rank(r), namespace=names.namespace) for r in range(world_size)])
+        handles = [ray.get_actor(names.training_rank(r), namespace=names.namespace) for r in range(world_size)]
+        return cls(handles, strategy)
 
-    def form_group(self, timeout_s: float) -> bool:
+    def _generations(self, timeout_s: float) -> list[int | None]:
+        return ray.get([h.get_group_generation.remote() for h in self.handles], timeout=timeout_s)
+
+    def form_group(self, timeout_s: float, checkpoint: str | None = None, force: bool = False) -> bool:
         """Make every rank a member of one live group; True when a new one was formed. Nothing to do for one
-        rank, or when all ranks report the same generation (none was restarted since it formed)."""
-        if self.world_size == 1:
+        ddp / torch rank, or when all ranks report the same generation (none was restarted since it formed)
+        and `force` is off. fsdp2 ranks rebuild and load `checkpoint` (None: the base model) as they join."""
+        if self.world_size == 1 and not self.collective:
             return False
-        generations = ray.get([h.get_group_generation.remote() for h in self.handles], timeout=timeout_s)
-        if generations[0] is not None and len(set(generations)) == 1:
+        generations = self._generations(timeout_s)
+        if not force and generations[0] is not None and len(set(generations)) == 1:
             return False
         generation = max((g for g in generations if g is not None), default=0) + 1
         address, port = ray.get(self.leader.rendezvous_address.remote(), timeout=timeout_s)
-        ray.get([h.join_process_group.remote(address, port, generation) for h in self.handles], timeout=timeout_s)
+        calls = [h.join_process_group.remote(address, port, generation, checkpoint) for h in self.handles]
+        ray.get(calls, timeout=timeout_s)
         return True
+
+    def restore(self, checkpoint: str | None, step: int, timeout_s: float) -> list[str]:
+        """Every rank at `checkpoint` (None: the base model, step 0) and in one group; returns what changed, as
+        log lines. Called at the start of every epoch, after the ranks Ray was restarting are back."""
+        versions = self.versions(timeout_s)
+        stale = [r for r, v in enumerate(versions) if v != step or checkpoint is None and v != 0]
+        where = f"step {step}" if checkpoint else "the base model"
+        if self.collective:
+            generations = self._generations(timeout_s)
+            if stale or None in generations or len(set(generations)) > 1:
+                self.form_group(timeout_s, checkpoint, force=True)
+                if any(g is not None for g in generations):  # not the first forming: a rank was restarted or moved on
+                    return [f"the {self.world_size} fsdp2 training ranks loaded {where} and formed their group again"]
+            return []
+        ray.get([self.handles[r].reset.remote(checkpoint) for r in stale], timeout=timeout_s)
+        who = ["training actor" if self.world_size == 1 else f"training rank {r}" for r in stale]
+        lines = [f"{w} reset to {where} (its weights were at step {versions[r]})" for w, r in zip(who, stale, strict=True)]
+        if self.form_group(timeout_s) and stale:
+            lines.append(f"the {self.world_size} training ranks formed their process group again")
+        return lines
+
+    def save(self, tmp_dir: str, timeout_s: float) -> None:
+        """The actor part of a checkpoint: rank 0 writes it (fsdp2: every rank writes its shards too)."""
+        handles = self.handles if self.collective else [self.leader]
+        ray.get([h.save.remote(tmp_dir) for h in handles], timeout=timeout_s)
+
+    def weights_ref(self, timeout_s: float) -> Any:
+        """An ObjectRef of the weights the rollout side loads (rank 0's; fsdp2: gathered from every rank)."""
+        if not self.collective:
+            return self.leader.get_weights.remote()
+        refs = [h.get_weights.remote() for h in self.handles]
+        ray.get(refs[1:], timeout=timeout_s)  # the other ranks only take part in the gather
+        return refs[0]
 
     def train_step(self, partition: str, keys: list[str], advantages: Any, step: int, timeout_s: float) -> dict[str, float]:
         """One training step on every rank (each reads its own samples); the merged metrics."""

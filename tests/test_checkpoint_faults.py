@@ -286,8 +286,13 @@ def test_changed_model_keys_are_refused_and_optimizer_keys_applied(actor_run, ti
     assert "set actor_rollout_ref.model.lora_rank=0 to resume it, or start a new experiment" in problem.message
     with pytest.raises(CheckpointError, match=r"actor_rollout_ref.model.lora_rank: checkpoint 0, now 4"):
         check_resume_config(root / "global_step_2", changed.model_dump(mode="json"))
-    ws = _config(tiny_sd3_dir, root, "trainer.n_gpus_per_node=2")
-    assert [p.key for p in resume_problems(ws)] == ["trainer.n_gpus_per_node"]
+    # A new world size resumes (whole-state checkpoint), with a line saying so; a sharded strategy does not.
+    ws = _config(tiny_sd3_dir, root, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp")
+    assert resume_problems(ws) == []
+    (line,) = check_resume_config(root / "global_step_2", ws.model_dump(mode="json"))
+    assert line.startswith("trainer.n_gpus_per_node x trainer.nnodes changed") and "'1 x 1' -> '2 x 1'" in line
+    sharded = _config(tiny_sd3_dir, root, "actor_rollout_ref.actor.strategy=fsdp2")
+    assert [p.key for p in resume_problems(sharded)] == ["actor_rollout_ref.actor.strategy"]
 
     from omni_core.workers.training_actor import TrainingActor
 

@@ -35,7 +35,12 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     ),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM"),
     (["actor_rollout_ref.rollout.name=vllm_omni"], "actor_rollout_ref.rollout.name", "rollout.name=diffusers"),
-    (["actor_rollout_ref.actor.strategy=fsdp2"], "actor_rollout_ref.actor.strategy", "strategy=ddp"),
+    (["actor_rollout_ref.actor.strategy=fsdp"], "actor_rollout_ref.actor.strategy", "strategy=fsdp2 (sharded ranks)"),
+    (
+        ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.dtype=float16"],
+        "actor_rollout_ref.actor.fsdp_config.dtype",
+        "without a gradient scaler",
+    ),
     (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "not implemented"),
     (["trainer.logger=[console,wandb]"], "trainer.logger", "network"),
     # wrong types and single-field limits

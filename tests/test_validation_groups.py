@@ -245,7 +245,7 @@ def test_prepare_run_config_reports_key_type_and_cross_field_problems_in_one_err
             [
                 f"actor_rollout_ref.model.path={tiny_sd3_dir}",
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # vLLM knob (key check)
-                "actor_rollout_ref.actor.strategy=fsdp2",  # refused value (key check)
+                "actor_rollout_ref.actor.strategy=megatron",  # refused value (key check)
                 "data.train_batch_size=abc",  # wrong type (pydantic)
                 "trainer.experiment_name=../x",  # cross-field rule (paths)
                 "reward.num_workers=2",  # refused when not default (validation)

@@ -29,7 +29,6 @@ RECIPES = Path(__file__).parent / "data" / "verl_omni_recipes"
 REFUSED_IN_BOTH = {
     "actor_rollout_ref.model.custom_chat_template",  # the raw prompt goes to the pipeline's text encoders
     "actor_rollout_ref.model.extra_tokenizers",  # the pipeline's own tokenizers are used
-    "actor_rollout_ref.actor.strategy",  # fsdp2: not yet; OmniFlow trains with strategy=ddp or torch
     "actor_rollout_ref.rollout.name",  # vllm_omni: OmniFlow rolls out with diffusers
     "actor_rollout_ref.rollout.tensor_model_parallel_size",  # vLLM-Omni knob
     "actor_rollout_ref.rollout.load_format",  # vLLM-Omni knob
@@ -119,16 +118,16 @@ def test_omniflow_validate_refuses_exactly_the_documented_keys_with_reasons(name
 @pytest.mark.parametrize("name", sorted(EXPECTED_REFUSED))
 def test_the_recipe_validates_once_the_refused_keys_are_removed(name, local_paths):
     """Nothing else in the recipe is a problem: without the refused keys (rollout name, logger, device counts
-    and trainer mode set back to OmniFlow's values, strategy fsdp2 replaced by ddp) the config passes, and the keys it
+    and trainer mode set back to OmniFlow's values) the config passes, and the keys it
     carries over keep their recipe values."""
     kept = [
         o
         for o in localised(name, local_paths)
         if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
     ]
-    config = prepare_run_config(None, [*kept, "trainer.logger=[console]", "actor_rollout_ref.actor.strategy=ddp"])
+    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
     arr = config.actor_rollout_ref
-    assert config.trainer.n_gpus_per_node == 2  # the recipe's two data-parallel ranks
+    assert config.trainer.n_gpus_per_node == 2 and arr.actor.strategy == "fsdp2"  # two sharded ranks, as in the recipe
     assert arr.actor.fsdp_config.model_dtype == "bfloat16" and arr.model.lora_rank == 32
     assert arr.rollout.log_prob_micro_batch_size_per_gpu == 8 and config.trainer.log_val_generations == 8
     assert config.data.truncation == "error" and arr.rollout.algo.sde_type == "cps"

@@ -2,11 +2,13 @@
 
 Each checkpoint holds the resolved config of the run that wrote it (`config.yaml`). On resume:
 - keys that shape the saved tensors or their meaning (the model, LoRA on/off and its rank and target
-  modules, the weights' dtype, the world size) must equal the checkpoint's: loading a LoRA adapter of rank 8
+  modules, the weights' dtype, a sharded vs a whole-state strategy) must equal the checkpoint's: loading a LoRA adapter of rank 8
   into rank 16, or fp32 Adam state into a bf16 model, is an error (or worse, a silent mix-up), so resume is
   refused with each differing key, its old and new value, and the fix;
 - optimizer hyperparameters (`lr`, `betas`, `weight_decay`) may change: the new values are applied over the
   loaded optimizer state (the training actor does that) and the change is logged;
+- the world size (`trainer.n_gpus_per_node x trainer.nnodes`) may change: torch / ddp checkpoints hold the whole
+  state, fsdp2 ones are resharded on load; it is logged, since a resume is bit-identical only on as many ranks;
 - a checkpoint saved without the optimizer (`actor.checkpoint.save_contents` lacking `optimizer`) is
   export-only: resuming from it would restart Adam from zero state mid-run, so it is refused.
 
@@ -40,6 +42,7 @@ OPTIMIZER_KEYS = (
     "actor_rollout_ref.actor.optim.weight_decay",
 )
 OPTIMIZER_FILE = f"{ACTOR_DIR}/optimizer.pt"
+SHARDED_DIR = f"{ACTOR_DIR}/dcp/"  # actor.strategy=fsdp2: model and optimizer shards (torch.distributed.checkpoint)
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -85,15 +88,22 @@ def config_changes(
         [_get(tree, "trainer.n_gpus_per_node") for tree in (saved, current)],
         [_get(tree, "trainer.nnodes") for tree in (saved, current)],
     )
+    changed_world = None
     if None not in world[0] + world[1]:
         old_ws, new_ws = world[0][0] * world[1][0], world[0][1] * world[1][1]
         if old_ws != new_ws:
-            refused.append((WORLD_SIZE_KEY, f"{world[0][0]} x {world[1][0]}", f"{world[0][1]} x {world[1][1]}"))
+            changed_world = (WORLD_SIZE_KEY, f"{world[0][0]} x {world[1][0]}", f"{world[0][1]} x {world[1][1]}")
+    strategies = [_get(tree, "actor_rollout_ref.actor.strategy") for tree in (saved, current)]
+    if None not in strategies and (strategies[0] == "fsdp2") != (strategies[1] == "fsdp2"):
+        # torch / ddp checkpoints hold the whole state; fsdp2 ones hold shards: neither loads into the other.
+        refused.append(("actor_rollout_ref.actor.strategy", strategies[0], strategies[1]))
     applied = []
     for key in OPTIMIZER_KEYS:
         old, new = _get(saved, key), _get(current, key)
         if old is not None and old != new:
             applied.append((key, old, new))
+    if changed_world is not None:
+        applied.append(changed_world)
     return refused, applied
 
 
@@ -102,7 +112,8 @@ def refusal_fix(key: str, old: Any) -> str:
 
 
 def has_optimizer(ckpt: str | Path) -> bool:
-    return any(entry["path"] == OPTIMIZER_FILE for entry in read_manifest(ckpt)["files"])
+    """Saved with the optimizer: `actor/optimizer.pt`, or an FSDP2 checkpoint's sharded state (`actor/dcp/`)."""
+    return any(entry["path"] == OPTIMIZER_FILE or entry["path"].startswith(SHARDED_DIR) for entry in read_manifest(ckpt)["files"])
 
 
 def export_only_message(ckpt: str | Path) -> str:
@@ -116,7 +127,8 @@ def export_only_message(ckpt: str | Path) -> str:
 
 def check_resume_config(ckpt: str | Path, current: dict[str, Any]) -> list[str]:
     """Raise `CheckpointError` when `ckpt` cannot be resumed under `current` (the config as a JSON dict);
-    returns one line per optimizer hyperparameter whose new value replaces the checkpoint's."""
+    returns one line per optimizer hyperparameter whose new value replaces the checkpoint's, and one for a new
+    world size."""
     if not has_optimizer(ckpt):
         raise CheckpointError(export_only_message(ckpt))
     saved = saved_config(ckpt)
@@ -127,6 +139,11 @@ def check_resume_config(ckpt: str | Path, current: dict[str, Any]) -> list[str]:
         lines = [f"{key}: checkpoint {old!r}, now {new!r} ({refusal_fix(key, old)})" for key, old, new in refused]
         raise CheckpointError(f"cannot resume {ckpt} under a changed config:\n  " + "\n  ".join(lines))
     return [
-        f"{key} changed since {ckpt}: {old!r} -> {new!r}; applying the new value over the loaded optimizer state"
+        f"{key} changed since {ckpt}: {old!r} -> {new!r}; "
+        + (
+            "the ranks take new slices of each mini-batch (the run goes on, but not bit for bit as on the old ranks)"
+            if key == WORLD_SIZE_KEY
+            else "applying the new value over the loaded optimizer state"
+        )
         for key, old, new in applied
     ]

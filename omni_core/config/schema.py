@@ -162,7 +162,7 @@ _a = _Section("actor_rollout_ref.actor")
 
 
 class ActorConfig(ConfigModel):
-    strategy: Literal["torch", "ddp"] = _a("strategy")
+    strategy: Literal["torch", "ddp", "fsdp2"] = _a("strategy")
     ppo_mini_batch_size: PositiveInt = _a("ppo_mini_batch_size")
     ppo_micro_batch_size_per_gpu: PositiveInt = _a("ppo_micro_batch_size_per_gpu")
     ppo_epochs: PositiveInt = _a("ppo_epochs")

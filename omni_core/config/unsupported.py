@@ -140,13 +140,9 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
         "sglang": "SGLang rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",
     },
     "actor_rollout_ref.actor.strategy": {
-        **{
-            s: f"{s} is not available in OmniFlow; use actor_rollout_ref.actor.strategy=ddp (data-parallel ranks, full "
-            "parameters on each) or torch (one rank)."
-            for s in ("fsdp", "veomni", "megatron")
-        },
-        "fsdp2": "sharded FSDP2 ranks are not implemented yet (scale-out issue); use actor_rollout_ref.actor.strategy=ddp "
-        "(data-parallel ranks, full parameters on each) or torch (one rank).",
+        s: f"{s} is not available in OmniFlow; use actor_rollout_ref.actor.strategy=fsdp2 (sharded ranks), ddp "
+        "(data-parallel ranks, full parameters on each) or torch (one rank)."
+        for s in ("fsdp", "veomni", "megatron")
     },
     "actor_rollout_ref.rollout.algo.sde_type": {
         "dance_sde": "the DanceGRPO SDE is not implemented; use sde_type=sde or cps.",

@@ -89,9 +89,10 @@ def load_lora_adapter(
     return model
 
 
-def lora_state(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter weights only, peft key format (``base_model.model.<module>.lora_A.weight``)."""
-    return get_peft_model_state_dict(model)
+def lora_state(model: PeftModel, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter weights only, peft key format (``base_model.model.<module>.lora_A.weight``); from
+    ``state_dict`` (the model's full state, e.g. gathered from FSDP2 shards) when given."""
+    return get_peft_model_state_dict(model, state_dict=state_dict)
 
 
 def load_lora_state(model: PeftModel, state_dict: dict[str, torch.Tensor], source: str = "state dict") -> None:
@@ -103,11 +104,18 @@ def load_lora_state(model: PeftModel, state_dict: dict[str, torch.Tensor], sourc
         )
 
 
-def save_lora_adapter(model: PeftModel, out_dir: str | Path, pipeline_cls: type[DiffusionPipeline]) -> Path:
-    """Write ``out_dir/pytorch_lora_weights.safetensors`` (diffusers format + LoraConfig metadata)."""
+def save_lora_adapter(
+    model: PeftModel,
+    out_dir: str | Path,
+    pipeline_cls: type[DiffusionPipeline],
+    adapter_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``out_dir/pytorch_lora_weights.safetensors`` (diffusers format + LoraConfig metadata), of
+    ``adapter_state`` (``lora_state``'s keys) when given, else of the model's own adapter weights."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    layers = {k.removeprefix(PEFT_PREFIX): v.detach().contiguous() for k, v in lora_state(model).items()}
+    state = adapter_state if adapter_state is not None else lora_state(model)
+    layers = {k.removeprefix(PEFT_PREFIX): v.detach().contiguous() for k, v in state.items()}
     config = model.peft_config[model.active_adapter]
     metadata = {
         "r": config.r,

@@ -275,12 +275,25 @@ class FlowPolicy:
         else:
             self.base_transformer.load_state_dict(state_dict, strict=True)
 
-    def save_pretrained(self, out_dir: str | Path) -> Path:
+    def save_pretrained(self, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
         """LoRA: ``out_dir/pytorch_lora_weights.safetensors`` (``pipeline.load_lora_weights(out_dir)`` reads
-        it); full: the transformer in diffusers format (``config.json`` + safetensors) in ``out_dir``."""
+        it); full: the transformer in diffusers format (``config.json`` + safetensors) in ``out_dir``.
+
+        ``state`` (``state_dict_for_checkpoint``'s keys) replaces the module's own tensors, for a transformer
+        whose parameters are FSDP2 shards: the file is what ``save_pretrained`` of the whole model writes.
+        """
         out = Path(out_dir)
         if self.is_lora:
-            lora.save_lora_adapter(self.transformer, out, type(self.pipeline))
-        else:
+            lora.save_lora_adapter(self.transformer, out, type(self.pipeline), adapter_state=state)
+        elif state is None:
             self.base_transformer.save_pretrained(out, safe_serialization=True)
+        else:
+            from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+            from safetensors.torch import save_file
+
+            out.mkdir(parents=True, exist_ok=True)
+            self.base_transformer.save_config(out)
+            save_file(
+                {k: v.contiguous() for k, v in state.items()}, str(out / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"}
+            )
         return out

@@ -190,7 +190,7 @@ class PolicyGradientDiffusionTrainerV1:
     def attach(self) -> None:
         """Find the run's actors by name (a `fit_epoch` task on a Ray worker) and join the TQ."""
         names, t = self.run.names, self.config.trainer
-        self.ranks = TrainingRanks.attach(names, t.n_gpus_per_node * t.nnodes)
+        self.ranks = TrainingRanks.attach(names, t.n_gpus_per_node * t.nnodes, self.config.actor_rollout_ref.actor.strategy)
         self.actor = self.ranks.leader
         self.agent_loop = AgentLoopManager.attach(names, self.config.actor_rollout_ref.rollout.agent.num_workers)
         tqc.attach()
@@ -254,15 +254,8 @@ class PolicyGradientDiffusionTrainerV1:
             self.dataloader.load_state_dict(ckpt.read_state(path, "dataloader"))
             ckpt.restore_rng_state(ckpt.read_state(path, "rng"))
             target = self.global_step
-        versions = self.ranks.versions(ACTOR_CALL_TIMEOUT_S)
-        stale = [r for r, v in enumerate(versions) if v != target or path is None and v != 0]
-        ray.get([self.ranks.handles[r].reset.remote(path) for r in stale], timeout=ACTOR_CALL_TIMEOUT_S)
-        for r in stale:
-            who = "training actor" if self.ranks.world_size == 1 else f"training rank {r}"
-            where = "step " + str(target) if path else "the base model"
-            self._log(f"{who} reset to {where} (its weights were at step {versions[r]})", logging.WARNING)
-        if self.ranks.form_group(ACTOR_CALL_TIMEOUT_S) and stale:
-            self._log(f"the {self.ranks.world_size} training ranks formed their process group again", logging.WARNING)
+        for line in self.ranks.restore(path, target, ACTOR_CALL_TIMEOUT_S):
+            self._log(line, logging.WARNING)
 
     def _attach_transfer_queue(self) -> None:
         """Every process of the run (this one, the training actor, the rollout workers) on the cluster's
@@ -277,8 +270,9 @@ class PolicyGradientDiffusionTrainerV1:
         root = t.checkpoint_dir
         # Checks free space first (the last checkpoint's size; the actor checks its state dicts' size) and
         # turns ENOSPC into a DiskFullError naming the folder; the temp folder is removed either way.
+        assert self.ranks is not None
         with ckpt.CheckpointWriter(root, self.global_step) as writer:
-            ray.get(self.actor.save.remote(str(writer.tmp)), timeout=ACTOR_CALL_TIMEOUT_S)
+            self.ranks.save(str(writer.tmp), ACTOR_CALL_TIMEOUT_S)
             assert self.dataloader is not None
             writer.write_state("dataloader", self.dataloader.state_dict())
             writer.write_state("controller", {"global_step": self.global_step, "run_id": self.run.run_id})
@@ -470,9 +464,9 @@ class PolicyGradientDiffusionTrainerV1:
 
     def _push_weights(self) -> None:
         """Send the actor's weights to every rollout worker (an object-store ref, fetched once per worker)."""
-        if self.agent_loop is None:
+        if self.agent_loop is None or self.ranks is None:
             return
-        weights = self.actor.get_weights.remote()
+        weights = self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S)
         self.agent_loop.update_weights(weights, self.global_step)
 
     # ------------------------------------------------------------------------ logs

@@ -45,6 +45,7 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
                 strategy,
             )
         )
+    p.extend(fsdp2_problems(config))
     # A reservation that cannot be met hangs forever (DESIGN.md section 7). A joined cluster is checked
     # once connected; a local one declares ray_init.num_cpus (and num_gpus, when set).
     budget = run_resource_budget(config)
@@ -68,6 +69,34 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
             )
         )
     p.extend(ray_init_problems(config))
+    return p
+
+
+def fsdp2_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """What `actor.strategy=fsdp2` does not combine with (each with the way out)."""
+    actor = config.actor_rollout_ref.actor
+    if actor.strategy != "fsdp2":
+        return []
+    p: list[ConfigProblem] = []
+    fsdp = actor.fsdp_config
+    if fsdp.dtype == "float16":
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.fsdp_config.dtype",
+                "fsdp2 computes in its MixedPrecisionPolicy without a gradient scaler, which float16 needs; use "
+                "bfloat16 (or strategy=ddp for float16 with a scaler)",
+                fsdp.dtype,
+            )
+        )
+    if "optimizer" not in actor.checkpoint.save_contents:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.checkpoint.save_contents",
+                "fsdp2 checkpoints always hold the sharded optimizer state (they are how the ranks resume); "
+                "add optimizer, or use strategy=ddp for export-only checkpoints",
+                list(actor.checkpoint.save_contents),
+            )
+        )
     return p
 
 

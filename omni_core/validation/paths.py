@@ -137,7 +137,7 @@ def resume_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     refused = config_changes(saved, config.model_dump(mode="json"))[0] if saved is not None else []
     return [
         ConfigProblem(
-            "trainer.n_gpus_per_node" if " x " in changed else changed,
+            changed,
             f"differs from the checkpoint to resume, {path}, which was saved with {old!r}; {refusal_fix(changed, old)}",
             new,
         )

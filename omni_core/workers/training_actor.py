@@ -6,12 +6,15 @@ itself, so latents and embeddings never pass through the controller, recomputes 
 in the same micro-batch layout as the update (so the first on-policy ratio is exactly 1 in fp32),
 runs `ppo_update`, and saves / loads its part of a checkpoint (`global_step_N/actor/`).
 
-Data parallel (`actor.strategy=ddp`): `trainer.n_gpus_per_node x trainer.nnodes` of these actors, one per rank,
-form one `torch.distributed` group (NCCL on cuda, HCCL on npu, gloo on cpu; `join_process_group`) and wrap the
-transformer in `DistributedDataParallel`. Each rank reads from the TransferQueue only the samples of its
-slices of the step's mini-batches (`algorithms.update.local_schedule`), recomputes their old log-probs, and
-trains on them; DDP averages the gradients once per mini-batch, so every rank takes the same optimizer step
-as one rank would on the whole batch. Rank 0 saves the checkpoint and serves the weights to the rollout side.
+Several ranks (`trainer.n_gpus_per_node x trainer.nnodes` of these actors) form one `torch.distributed` group
+(NCCL on cuda, HCCL on npu, gloo on cpu; `join_process_group`). With `actor.strategy=ddp` the transformer is
+wrapped in `DistributedDataParallel` (full parameters on each rank); with `fsdp2` it is sharded
+(`workers.fsdp2`). Each rank reads from the TransferQueue only the samples of its slices of the step's
+mini-batches (`algorithms.update.local_schedule`), recomputes the old log-probs of its first-epoch slices
+(shared with the other ranks by an all-gather), and trains; the gradients are averaged once per mini-batch,
+so every rank takes the same optimizer step as one rank would on the whole batch. Rank 0 writes the
+checkpoint's consolidated files and serves the weights to the rollout side (under fsdp2 every rank takes
+part in gathering them, and writes its shards).
 
 Placement and precision come from `omni_core.models.placement`: the transformer on `trainer.device`
 (the GPU Ray assigned), fp32 master weights and optimizer state, the forward/backward under autocast in
@@ -51,6 +54,7 @@ from omni_core.models.placement import module_placement, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import score_transitions
 from omni_core.rollout.trajectory import Trajectory
+from omni_core.workers import fsdp2
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +99,9 @@ class TrainingActor:
         self.total_training_steps = total_training_steps
         self.text_encoders = text_encoders
         self.rank, self.world_size = rank, world_size
-        self.ddp: torch.nn.Module | None = None  # DistributedDataParallel over the transformer, with world_size > 1
+        self.strategy = self.config.actor_rollout_ref.actor.strategy
+        self.ddp: torch.nn.Module | None = None  # DistributedDataParallel over the transformer (strategy=ddp)
+        self.sharded = False  # the transformer is FSDP2-sharded (strategy=fsdp2, once the group formed)
         self.group_generation: int | None = None
         # Training steps in a row whose loss or grad norm was not finite (`train_on`). Not cleared by `reset`:
         # a retried epoch that hits the same fault fails at its first such step; a finite step clears it, and a
@@ -109,13 +115,19 @@ class TrainingActor:
         kwargs = training_policy_kwargs(self.config) | {"text_encoders": self.text_encoders}
         self.policy = FlowPolicy.from_model_config(arr.model, **kwargs)
         if arr.actor.use_kl_loss:
-            self.policy.ensure_reference()
-        self.optimizer = build_optimizer(arr.actor.optim, self.policy.trainable_parameters())
-        self.lr_scheduler = build_lr_scheduler(arr.actor.optim, self.optimizer, self.total_training_steps)
+            self.policy.ensure_reference()  # before any sharding: the reference stays a whole, frozen copy
+        self.sharded = False
+        self._build_optimizer()
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
         fp16 = self.policy.compute_dtype == torch.float16 or self.policy.dtype == torch.float16
         self.grad_scaler = torch.amp.GradScaler(self.policy.device.type) if fp16 else None
         self.version = 0  # the global step whose update produced the current weights
+
+    def _build_optimizer(self) -> None:
+        """AdamW and its LR schedule over the current trainable parameters (FSDP2 replaces them with shards)."""
+        optim = self.config.actor_rollout_ref.actor.optim
+        self.optimizer = build_optimizer(optim, self.policy.trainable_parameters())
+        self.lr_scheduler = build_lr_scheduler(optim, self.optimizer, self.total_training_steps)
 
     # ------------------------------------------------------------------------------- state
     def get_version(self) -> int:
@@ -139,10 +151,11 @@ class TrainingActor:
             probe.bind((address, 0))
             return address, probe.getsockname()[1]
 
-    def join_process_group(self, address: str, port: int, generation: int) -> int:
-        """Form the ranks' `torch.distributed` group anew (every rank calls this at once) and wrap the transformer
-        in DistributedDataParallel. A group of an earlier generation (before a rank was restarted) is destroyed
-        first. Returns `generation`."""
+    def join_process_group(self, address: str, port: int, generation: int, checkpoint: str | None = None) -> int:
+        """Form the ranks' `torch.distributed` group anew (every rank calls this at once). A group of an earlier
+        generation (before a rank was restarted) is destroyed first. ddp: wrap the transformer in
+        DistributedDataParallel. fsdp2: rebuild the policy from the base model, shard it, and load `checkpoint`
+        (a global_step_N folder; None: the base model) into the shards. Returns `generation`."""
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -157,12 +170,36 @@ class TrainingActor:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
         )
-        # Buffers are equal on every rank (same checkpoint); not broadcasting them keeps forwards free of
-        # collectives, so ranks may run different numbers of no-grad forwards (old log-probs, reference).
-        device_ids = [device.index or 0] if device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.policy.transformer, device_ids=device_ids, broadcast_buffers=False)
+        if self.strategy == "fsdp2":
+            self._build()  # sharding is in place and one-way: start from whole weights
+            fsdp2.shard_transformer(self.policy, self.world_size)
+            self._build_optimizer()  # over the sharded parameters
+            self.sharded = True
+            if checkpoint is not None:
+                self._load_sharded(checkpoint)
+        else:
+            # Buffers are equal on every rank (same checkpoint); not broadcasting them keeps forwards free of
+            # collectives, so ranks may run different numbers of no-grad forwards (old log-probs, reference).
+            device_ids = [device.index or 0] if device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.policy.transformer, device_ids=device_ids, broadcast_buffers=False)
         self.group_generation = generation
         return generation
+
+    def _load_sharded(self, checkpoint: str) -> None:
+        actor = Path(checkpoint) / "actor"
+        if not (actor / fsdp2.DCP_FOLDER).is_dir():
+            raise CheckpointError(export_only_message(checkpoint))
+        fsdp2.load_sharded(self.policy, self.optimizer, actor)
+        self.lr_scheduler.load_state_dict(read_torch_state(actor, "lr_scheduler"))
+        self._apply_optim_config()
+        self.version = int(read_torch_state(actor, "version")["version"])
+
+    def local_parameter_elements(self) -> dict[str, int]:
+        """Elements of the transformer's parameters this rank holds ("local": 1/world of each under fsdp2) and
+        in all ("global")."""
+        params = list(self.policy.transformer.parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        return {"local": local, "global": sum(p.numel() for p in params)}
 
     def get_group_generation(self) -> int | None:
         """The generation of the group this rank is in (None: none yet, e.g. after Ray restarted the process)."""
@@ -175,7 +212,10 @@ class TrainingActor:
         attach()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """What the rollout side needs to follow the policy (full state, or the LoRA adapter)."""
+        """What the rollout side needs to follow the policy (full state, or the LoRA adapter). Sharded: every
+        rank must call it (the shards are gathered onto rank 0, which returns them; the others return {})."""
+        if self.sharded:
+            return fsdp2.full_trainable_state(self.policy, self.rank)
         return self.policy.state_dict_for_checkpoint()
 
     def reset(self, checkpoint: str | None) -> int:
@@ -186,6 +226,8 @@ class TrainingActor:
         optimizer hyperparameters (lr, betas, weight_decay) win over the loaded state's: the controller logs
         a change (`checkpoint.compat`), this applies it, and the LR schedule's base follows the new lr.
         """
+        if self.strategy == "fsdp2" and self.world_size > 1:
+            raise RuntimeError("fsdp2 ranks restore together, in join_process_group(checkpoint=...)")
         if checkpoint is None:
             self._build()  # a new transformer: the trainer forms the group again (join_process_group) before training
             self.ddp, self.group_generation = None, None
@@ -238,6 +280,8 @@ class TrainingActor:
         check_free_space(tmp_dir, needed)
         with disk_full_guard(tmp_dir, needed=needed):
             actor.mkdir(parents=True, exist_ok=True)
+            if self.sharded:
+                return self._save_sharded(actor)
             contents = self.config.actor_rollout_ref.actor.checkpoint.save_contents
             written = [write_tensors(actor, "model", self.policy.state_dict_for_checkpoint())]
             if "optimizer" in contents:
@@ -249,6 +293,18 @@ class TrainingActor:
             # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained.
             self.policy.save_pretrained(actor / "hf")
         return [str(p) for p in written]
+
+    def _save_sharded(self, actor: Path) -> list[str]:
+        """fsdp2, on every rank: its shards of the model and AdamW state (`actor/dcp/`); rank 0 also writes the
+        consolidated model (today's `model.safetensors` and the diffusers export), the LR schedule and the version."""
+        written = [str(p) for p in fsdp2.save_sharded(self.policy, self.optimizer, actor)]
+        full = fsdp2.full_trainable_state(self.policy, self.rank)
+        if self.rank == 0:
+            written.append(str(write_tensors(actor, "model", full)))
+            written.append(str(write_torch_state(actor, "lr_scheduler", self.lr_scheduler.state_dict())))
+            written.append(str(write_torch_state(actor, "version", {"version": self.version})))
+            self.policy.save_pretrained(actor / "hf", state=full)
+        return written
 
     # ------------------------------------------------------------------------------- training
     def _update_config(self, global_step: int) -> PPOUpdateConfig:
@@ -342,15 +398,25 @@ class TrainingActor:
         t0 = time.perf_counter()
         batch_size = advantages.shape[0]
         rows = list(range(batch_size)) if samples is None else list(samples)
-        bypass = self.config.algorithm.rollout_correction.bypass_mode
-        old_local = traj.log_probs if bypass else self._old_log_probs(traj)
-        drift = {} if bypass else rollout_probs_diff(traj.log_probs, old_local)
-        ref_means = self._reference_means(traj) if self.config.actor_rollout_ref.actor.use_kl_loss else None
         # The batch is indexed by the step's sample number; `row_of` finds a sample's row in `traj` (-1: another rank's).
         row_of = torch.full((batch_size,), -1, dtype=torch.long)
         row_of[rows] = torch.arange(len(rows))
-        old = torch.full((batch_size, traj.window_size), float("nan"))
-        old[rows] = old_local.float()
+        # The no-grad passes run on this rank's first-epoch slices: a partition of the batch into equal parts (the
+        # ranks' forwards pair up, as FSDP2's all-gathers need), in the micro-batches the update's first forwards
+        # use (so the first ratio is exactly 1); an all-gather gives every rank every sample's values.
+        own = self._first_epoch_samples(batch_size, global_step) if self.world_size > 1 else rows
+        part = traj.index_select(row_of[own])
+        bypass = self.config.algorithm.rollout_correction.bypass_mode
+        old_own = part.log_probs if bypass else self._old_log_probs(part)
+        drift = {} if bypass else rollout_probs_diff(part.log_probs, old_own)
+        old = self._by_sample(own, old_own.float(), batch_size)
+        ref_means = None
+        if self.config.actor_rollout_ref.actor.use_kl_loss:
+            ref_means = self._by_sample(own, self._reference_means(part), batch_size)
+        if self.sharded:
+            # FSDP2 keeps the root's parameters gathered after a forward; gathered under no_grad they would carry no
+            # gradient back to the shards (the root's gradients came out None): gather them again in the update.
+            self.policy.transformer.reshard()
         t1 = time.perf_counter()
 
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
@@ -359,18 +425,15 @@ class TrainingActor:
             log_prob, mean, std = self._score(part, j)
             ref_mean = None
             if ref_means is not None:  # the reference policy's mean of the same transition (no gradient)
-                ref_mean = ref_means[local, j].to(mean.device)
+                ref_mean = ref_means[mb["sample"], j].to(mean.device)
             return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
 
         # ppo_update slices every tensor by sample; `sample` tells step_fn which samples it got.
         batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(batch_size)}
         self.policy.transformer.train()
-        if self.world_size > 1 and self.ddp is None:
-            raise RankRestartedError(
-                f"training rank {self.rank} of {self.world_size} has no process group (Ray restarted it); the epoch is "
-                "retried from its checkpoint, which forms the group again"
-            )
         no_sync = self.ddp.no_sync if self.ddp is not None else None
+        if self.sharded:
+            no_sync = lambda: fsdp2.no_gradient_sync(self.policy.transformer)  # noqa: E731
         with self.policy.forward_through(self.ddp):  # DDP's forward, then the averaging backward (one rank: as is)
             metrics = ppo_update(
                 self.policy.transformer,
@@ -391,6 +454,36 @@ class TrainingActor:
         metrics["timing_s/update_actor"] = t2 - t1
         metrics["_train_s"] = t2 - t0
         return metrics
+
+    def _first_epoch_samples(self, batch_size: int, global_step: int) -> list[int]:
+        """This rank's slices of the first PPO epoch's mini-batches, in training order (ranks: a partition)."""
+        shares = local_schedule(batch_size, self._update_config(global_step))
+        per_epoch = len(shares) // self.config.actor_rollout_ref.actor.ppo_epochs
+        return [int(i) for share in shares[:per_epoch] for i in share]
+
+    def _by_sample(self, own: list[int], values: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """`[batch_size, ...]` from this rank's `values` of samples `own` and, with several ranks, every other
+        rank's (all-gathered; the parts are equal in size)."""
+        out = torch.full((batch_size, *values.shape[1:]), float("nan"), dtype=values.dtype)
+        if self.world_size == 1:
+            out[own] = values
+            return out
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RankRestartedError(
+                f"training rank {self.rank} of {self.world_size} has no process group (Ray restarted it); the epoch is "
+                "retried from its checkpoint, which forms the group again"
+            )
+        device = self.policy.device  # NCCL gathers device tensors; gloo CPU ones
+        index = torch.tensor(own, device=device)
+        indices = [torch.empty_like(index) for _ in range(self.world_size)]
+        parts = [torch.empty_like(values, device=device) for _ in range(self.world_size)]
+        dist.all_gather(indices, index)
+        dist.all_gather(parts, values.to(device).contiguous())
+        for idx, part in zip(indices, parts, strict=True):
+            out[idx.cpu()] = part.cpu()
+        return out
 
     def _count_nonfinite(self, metrics: dict[str, float], global_step: int) -> None:
         """Count a step whose loss or grad norm is not finite (its optimizer steps were skipped); after
