@@ -265,10 +265,8 @@ def _optimizer_step(
     max_norm = grad_clip if grad_clip and grad_clip > 0 else math.inf
     if scaler is not None:
         scaler.unscale_(optimizer)
-    if any(hasattr(p.grad, "full_tensor") for p in params):  # FSDP2: gradients are DTensor shards
-        grad_norm = _sharded_clip_grad_norm(params, max_norm)
-    else:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2 shards: a DTensor
     applied = math.isfinite(grad_norm)
     if scaler is not None:
         scaler.step(optimizer)  # skips the step itself when the unscaled gradients are not finite
@@ -279,24 +277,6 @@ def _optimizer_step(
         logger.warning("grad_norm is %s; skipping this optimizer step", grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, applied
-
-
-def _sharded_clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
-    """`clip_grad_norm_` for DTensor gradients (FSDP2 shards): each gradient's norm over all its shards, then the
-    global norm, and the same scaling on every rank. (torch's own total norm of sharded gradients came out wrong
-    here: 0.0025 for a gradient whose whole-tensor norm was 0.0216.)"""
-    norms = []
-    for p in params:
-        if p.grad is not None:
-            norm = torch.linalg.vector_norm(p.grad, 2)
-            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = float(torch.linalg.vector_norm(torch.stack(norms), 2)) if norms else 0.0
-    coef = max_norm / (total + 1e-6)
-    if math.isfinite(total) and coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return total
 
 
 # --------------------------------------------------------------------------------------------------
