@@ -189,15 +189,18 @@ class RunCluster:
 
 
 def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
-    """Connect Ray, check it against the run's resource budget and start the TransferQueue.
+    """Connect Ray, check that every node sees the run's folders (`shared_storage`, multi-node clusters only)
+    and that the cluster holds the run's resource budget, then start the TransferQueue.
 
     A failure after this call started a local cluster stops that cluster again, so a retry starts clean.
     """
     global _started_ray
+    from omni_core.shared_storage import check_shared_storage
     from omni_core.tq.client import init_transfer_queue
 
     _started_ray = connect_ray(config) or (_started_ray and ray.is_initialized())
     try:
+        check_shared_storage(config)
         check_cluster_devices(config)
         init_transfer_queue(config.transfer_queue)
     except BaseException:

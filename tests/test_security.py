@@ -191,82 +191,21 @@ print("AUTH_WARNING=" + repr(cluster.auth_warning))
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _join_a_head(mode: str) -> tuple[str, str]:
-    """Start a real Ray head (`ray start --head --block`, auth `mode`) on 127.0.0.1, join it as a run does
+    """Start a real Ray head (`ray start --head`, auth `mode`, `tests/ray_heads.py`), join it as a run does
     (`start_run_cluster` with ray_kwargs.ray_init.address) in another process; returns the head's address and
-    that process's output."""
-    import os
-    import shutil
-    import socket
+    that process's output. The client is a run as a user starts it: no RAY_AUTH_MODE (OmniFlow picks it) and
+    the cluster's token in its environment."""
     import subprocess
     import sys
-    import tempfile
-    import time
-    import uuid
 
-    port = _free_port()
-    # The client is a run as a user starts it: no RAY_AUTH_MODE (OmniFlow joins in token mode) and a token
-    # (from the environment, so nothing is written to ~/.ray); the head checks it only in token mode.
-    client_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    client_env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_TOKEN=uuid.uuid4().hex)
-    env = {**client_env, "RAY_AUTH_MODE": mode}
-    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # Ray's socket paths must stay short (107 bytes)
-    head = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"),
-            *(f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=16", "--include-dashboard=false"),
-            f"--temp-dir={temp_dir}",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:  # the head answers once its GCS listens
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert head.poll() is None and time.monotonic() < deadline, head.stdout.read() if head.poll() else "no GCS"
-            time.sleep(0.5)
-        out = subprocess.run([sys.executable, "-c", _JOIN, address], capture_output=True, text=True, timeout=300, env=client_env)
+    from ray_heads import RayNode, ray_cluster
+
+    with ray_cluster(RayNode(num_cpus=16), auth_mode=mode) as cluster:
+        cmd = [sys.executable, "-c", _JOIN, cluster.address]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cluster.client_env)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-        return address, out.stdout
-    finally:
-        head.terminate()  # `ray start --block` stops its cluster's processes on SIGTERM
-        head.wait(timeout=120)
-        deadline = time.monotonic() + 60
-        while _processes_of(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        leftover = _processes_of(temp_dir)
-        for pid in leftover:
-            os.kill(pid, 9)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not leftover, f"processes of the head outlived it: {leftover}"
-
-
-def _processes_of(temp_dir: str) -> list[int]:
-    """Pids of live processes whose command line names `temp_dir` (the head's GCS, raylet, workers)."""
-    from pathlib import Path
-
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and temp_dir.encode() in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            pass
-    return pids
+        return cluster.address, out.stdout
 
 
 def test_a_joined_cluster_without_token_auth_is_named_in_the_run_log():
