@@ -61,9 +61,11 @@ def detect_device(counts: dict[str, int] | None = None) -> str:
 
 
 def auto_set_device(config: OmniFlowConfig) -> OmniFlowConfig:
-    """Resolve `trainer.device` (auto -> the detected device); error if an explicit one is absent."""
+    """Resolve `trainer.device` (auto -> the detected device); error if an explicit one is absent. A run that
+    joins a cluster (`ray_kwargs.ray_init.address`) may name a device its driver lacks: the cluster's GPUs are
+    checked once connected (`ray_cluster.check_cluster_devices`)."""
     requested = config.trainer.device
-    if requested == "cpu":
+    if requested == "cpu" or requested != "auto" and config.ray_kwargs.ray_init.address:
         return config
     counts = available_devices()
     if requested == "auto":

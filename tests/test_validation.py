@@ -7,7 +7,7 @@ import pytest
 from omni_core.config import ConfigError, load_config
 from omni_core.device import auto_set_device
 from omni_core.trainers import get_diffusion_trainer_cls, register_diffusion_trainer
-from omni_core.validation import validate_attention_consistency, validate_config
+from omni_core.validation import config_problems, validate_attention_consistency, validate_config
 
 CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
 
@@ -299,6 +299,13 @@ def test_auto_set_device_resolves_and_rejects_absent_devices():
         with pytest.raises(ConfigError) as err:
             auto_set_device(load_config(overrides=["trainer.device=cuda"]))
         assert err.value.keys == ["trainer.device"] and "trainer.device=auto" in str(err.value)
+        # A run that joins a cluster may have a driver without a GPU: the cluster's GPUs are checked once
+        # connected (check_cluster_devices), so neither the device nor the per-node count is checked here.
+        joined = ["trainer.device=cuda", "ray_kwargs.ray_init.address=10.0.0.1:6379", "trainer.n_gpus_per_node=8"]
+        joined += ["actor_rollout_ref.actor.strategy=ddp", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+        cfg = auto_set_device(load_config(overrides=joined))
+        assert cfg.trainer.device == "cuda"
+        assert not [p for p in config_problems(cfg) if p.key in ("trainer.device", "trainer.n_gpus_per_node")]
 
 
 def test_trainer_registry():

@@ -289,3 +289,35 @@ def test_shared_records_are_light(module):
         """
     )
     assert HEAVY & set(result["modules"]) == set()
+
+
+def test_local_paths_are_made_absolute_in_the_driver(tiny_sd3_dir, tmp_path, monkeypatch):
+    """Ray workers start in their raylet's folder: the config they get names the driver's files absolutely
+    (checkpoint folder always; model and reward files when they exist locally), a hub id stays as it is."""
+    import os
+    from pathlib import Path
+
+    from omni_core.validation import prepare_run_config
+
+    monkeypatch.chdir(tmp_path)  # a relative path is relative to the driver's working directory
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "mine.py").write_text(
+        "def compute_score(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n"
+    )
+    os.symlink(tiny_sd3_dir, tmp_path / "model")
+    cfg = prepare_run_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=model",
+            "trainer.default_local_dir=out/ckpt",
+            "reward.custom_reward_function.path=rewards/mine.py",
+        ],
+    )
+    assert cfg.trainer.default_local_dir == str(tmp_path / "out" / "ckpt")
+    assert cfg.actor_rollout_ref.model.path == str(tiny_sd3_dir.resolve())
+    assert cfg.reward.custom_reward_function.path == str(tmp_path / "rewards" / "mine.py")
+    from omni_core.config.absolute_paths import with_absolute_paths
+
+    hub = load_config(overrides=["actor_rollout_ref.model.path=stabilityai/stable-diffusion-3.5-medium"])
+    assert with_absolute_paths(hub).actor_rollout_ref.model.path == "stabilityai/stable-diffusion-3.5-medium"
+    assert Path(with_absolute_paths(hub).trainer.default_local_dir).is_absolute()

@@ -100,6 +100,7 @@ def prepare_run_config(
     cross-field rules also run when some keys are unknown, refused or mistyped (on the config of the
     other keys, defaults standing in), minus any rule that names a key already reported.
     """
+    from omni_core.config.absolute_paths import with_absolute_paths
     from omni_core.device import auto_set_device
 
     cfg, problems = resolve_config_and_problems(config, overrides, config_files)
@@ -111,6 +112,7 @@ def prepare_run_config(
             cfg = auto_set_device(cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"device": "auto"})}))
         if experiment_suffix:
             cfg = with_experiment_suffix(cfg, experiment_suffix)
+        cfg = with_absolute_paths(cfg)  # Ray workers on other nodes start in other folders
         reported = {p.key for p in problems}
         problems.extend(p for p in config_problems(cfg, allowed_reward_dirs=allowed_reward_dirs) if p.key not in reported)
     if problems or cfg is None:

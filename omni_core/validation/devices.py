@@ -24,7 +24,8 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
     counts = device_counts or available_devices()
     device = detect_device(counts) if trainer.device == "auto" else trainer.device
     requested = trainer.n_gpus_per_node
-    if trainer.nnodes == 1 and requested > counts.get(device, 0):
+    # A joined cluster's devices are checked once connected (check_cluster_devices), not the driver's.
+    if trainer.nnodes == 1 and ray_init.address is None and requested > counts.get(device, 0):
         what = "CPU cores (one training worker per core)" if device == "cpu" else f"{device} devices"
         p.append(
             ConfigProblem(
