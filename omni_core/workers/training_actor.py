@@ -226,7 +226,7 @@ class TrainingActor:
         optimizer hyperparameters (lr, betas, weight_decay) win over the loaded state's: the controller logs
         a change (`checkpoint.compat`), this applies it, and the LR schedule's base follows the new lr.
         """
-        if self.strategy == "fsdp2" and self.world_size > 1:
+        if self.strategy == "fsdp2":
             raise RuntimeError("fsdp2 ranks restore together, in join_process_group(checkpoint=...)")
         if checkpoint is None:
             self._build()  # a new transformer: the trainer forms the group again (join_process_group) before training
