@@ -19,6 +19,13 @@ import ray
 from omni_core.records import LogLine, WorkerNames
 from omni_core.rollout.request import RolloutRequest
 
+# torch threads of each rollout worker, the same whatever `rollout.agent.num_workers` is. CPU kernels round
+# differently per thread count (measured, torch 2.13 CPU on 2 cores: the VAE decode differs between 1 and 2
+# threads by up to 9e-7, enough to flip uint8 pixels and so the JPEG rewards; the tiny transformer's velocity
+# between 1 and 3 threads), so a count that follows the worker count (cores // workers) makes the trajectories,
+# and through Adam the trained weights, depend on it. One thread each: k workers keep k cores busy.
+ROLLOUT_WORKER_THREADS = 1
+
 
 class AgentLoopManager:
     """Handles to the rollout workers plus the in-flight requests of this process."""
@@ -38,12 +45,13 @@ class AgentLoopManager:
         config: dict[str, Any],
         names: WorkerNames,
         options: list[dict[str, Any]],
-        num_threads: int,
+        num_threads: int = ROLLOUT_WORKER_THREADS,
         prompt_embeddings: str | None = None,
         max_restarts: int = 3,
     ) -> AgentLoopManager:
         """Start one rollout worker per entry of `options` (its Ray resources and placement; see
-        `omni_core.worker_pool.actor_options`), from the flow process, so they outlive any one task."""
+        `omni_core.worker_pool.actor_options`), from the flow process, so they outlive any one task.
+        `num_threads` torch threads each: keep the default, or the trajectories depend on the worker count."""
         from omni_core.workers.rollout_worker import RolloutWorker  # diffusers: only where workers start
 
         remote = ray.remote(RolloutWorker)

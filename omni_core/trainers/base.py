@@ -30,7 +30,7 @@ import ray
 import torch
 
 from omni_core import checkpoint as ckpt
-from omni_core.agent_loop import AgentLoopManager
+from omni_core.agent_loop import ROLLOUT_WORKER_THREADS, AgentLoopManager
 from omni_core.algorithms.registry import get_adv_estimator
 from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
@@ -180,7 +180,7 @@ class PolicyGradientDiffusionTrainerV1:
                 self.config.model_dump(mode="json"),
                 self.run.names,
                 options,
-                cpu_threads(len(options)),
+                ROLLOUT_WORKER_THREADS,  # the same for any agent.num_workers: CPU kernels round by thread count
                 self.run.prompt_embeddings,
             )
         self._push_weights()

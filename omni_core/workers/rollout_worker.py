@@ -1,12 +1,13 @@
 """`RolloutWorker`: one agent-loop worker (a Ray actor) that turns prompts into scored trajectories.
 
 For a `RolloutRequest` it tags the prompt rows `running`, samples `params.n` images per prompt with the
-SDE sampler, scores them with the reward manager inside the worker (verl-omni's streaming reward),
-writes one trajectory row per sample into the TransferQueue (`{uid}_{session}_0`) and tags each
-prompt `finished`, or `failure` with the reason when any of its samples failed (a failing reward, even
-one that fails the whole batch, still writes every row, marked `failed`; only a failed generation writes
-none). Log lines (with their
-level) go back to the controller with the result, so they reach the Prefect run's log.
+SDE sampler (one batch per prompt group, `generate_groups`, so the rows do not depend on how the request
+was split among the workers), scores them with the reward manager inside the worker (verl-omni's
+streaming reward), writes one trajectory row per sample into the TransferQueue (`{uid}_{session}_0`)
+and tags each prompt `finished`, or `failure` with the reason when any of its samples failed (a failing
+reward, even one that fails the whole batch, still writes every row, marked `failed`; only a failed
+generation writes none). Log lines (with their level) go back to the controller with the result, so
+they reach the Prefect run's log.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from omni_core.models.policy import FlowPolicy
 from omni_core.records import LogLine
 from omni_core.rewards.manager import RewardManager, RewardResult
 from omni_core.rollout.request import RolloutRequest
-from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampler import generate_groups
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.rollout.trajectory import Trajectory
 from omni_core.tq import client as tqc
@@ -110,7 +111,8 @@ class RolloutWorker:
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
         records = [it.record for it in items]
         try:
-            traj = generate(
+            # One batch per prompt group, never per request part: bit-identical rows for any worker count.
+            traj = generate_groups(
                 self.policy,
                 [r.prompt for r in records],
                 params.negative_prompts([r.negative_prompt for r in records]),
