@@ -31,6 +31,7 @@ _RAY_INFRASTRUCTURE = (
     "DistBackendError",  # torch.distributed: a collective whose peer rank died (gloo: connection closed)
     "DistNetworkError",
     "RankRestartedError",  # a training rank Ray restarted, asked to train before the epoch formed the group again
+    "PeerRankLostError",  # a training step's collective failed because another rank's process died
 )
 # Never retried, whatever they wrap: the same config / code fails the same way (matched by class name so
 # that this module imports neither the rewards nor the config package).
@@ -38,6 +39,10 @@ _NOT_RETRYABLE = ("ConfigError", "RewardFailureError", "RunOutOfMemoryError", "T
 # What torch (CUDA: "CUDA out of memory"; CPU allocator: "not enough memory" / "can't allocate memory") and
 # other libraries put in the message of an allocation failure.
 _OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
+
+
+# What gloo / NCCL put in a plain RuntimeError when the peer of a collective went away.
+_PEER_LOST_TEXT = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
 
 
 class RunOutOfMemoryError(RuntimeError):
@@ -69,6 +74,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
         if names & {"OutOfMemoryError", "MemoryError", "RunOutOfMemoryError"}:
             return True
         if isinstance(e, RuntimeError) and any(text in str(e).lower() for text in _OOM_TEXT):
+            return True
+    return False
+
+
+def is_peer_rank_lost(exc: BaseException) -> bool:
+    """A torch.distributed collective failed because a peer process went away: DistBackendError /
+    DistNetworkError, or gloo's plain RuntimeError naming the closed connection, anywhere in the chain."""
+    for e in exception_chain(exc):
+        if _class_names(e) & {"DistBackendError", "DistNetworkError"}:
+            return True
+        if isinstance(e, RuntimeError) and any(text in str(e).lower() for text in _PEER_LOST_TEXT):
             return True
     return False
 

@@ -48,13 +48,72 @@ def kill_when(ckpt, name_part: str, class_name: str, killed: list[int], timeout_
             killed.append(actor.pid)
 
 
-def run_with_kill(flow_overrides, ckpt, experiment: str, name_part: str, class_name: str):
+def kill_mid_call(ckpt, name_part: str, class_name: str, method: str, killed: list[int], timeout_s: float = 400) -> None:
+    """Once `ckpt/global_step_1` is complete, SIGKILL the live actor of class `class_name` whose name holds
+    `name_part` while it runs `method` (`killed` gets its pid; nothing if the deadline passes first).
+
+    A training step of the lean config takes ~0.3 s, less than Ray's state API takes to report a running
+    call (its task events are sent once a second), so the actor is made a straggler first: SIGSTOP / SIGCONT,
+    20 ms running in each 200 ms, as a process starved by a busy host is. Its `method` then runs ten times
+    longer, and the state API sees it running before it ends.
+    """
+    import signal
+    import threading
+    import time
+
+    import ray
+    from ray.util.state import list_actors, list_tasks
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (ckpt / "global_step_1" / "manifest.json").exists():
+        time.sleep(0.2)
+    address = ray.get_runtime_context().gcs_address
+    alive = list_actors(
+        address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True, limit=1000
+    )
+    target = next((a for a in alive if name_part in (a.name or "")), None)
+    if target is None:
+        return
+    done = threading.Event()
+
+    def throttle() -> None:
+        while not done.is_set():
+            os.kill(target.pid, signal.SIGSTOP)
+            done.wait(0.18)
+            os.kill(target.pid, signal.SIGCONT)
+            done.wait(0.02)
+
+    name = f"{class_name}.{method}"
+    calls = [("actor_id", "=", target.actor_id), ("name", "=", name)]
+    # The calls made before now: the state API may still report one of them RUNNING (its end not sent yet).
+    earlier = {t.task_id for t in list_tasks(address=address, filters=calls, limit=10000)}
+    throttler = threading.Thread(target=throttle, daemon=True)
+    throttler.start()
+    try:
+        while time.monotonic() < deadline:
+            running = list_tasks(address=address, filters=[*calls, ("state", "=", "RUNNING")], limit=10000)
+            if [t for t in running if t.task_id not in earlier]:
+                os.kill(target.pid, signal.SIGKILL)
+                killed.append(target.pid)
+                return
+            time.sleep(0.1)
+    finally:
+        done.set()
+        throttler.join()
+        if not killed:
+            os.kill(target.pid, signal.SIGCONT)
+
+
+def run_with_kill(flow_overrides, ckpt, experiment: str, name_part: str, class_name: str, method: str | None = None):
+    """A run of `flow_overrides` in `ckpt` with an actor killed after the first checkpoint (`kill_when`), or
+    while it runs `method` (`kill_mid_call`): (final state, [killed pid])."""
     import threading
 
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     killed: list[int] = []
-    watcher = threading.Thread(target=kill_when, args=(ckpt, name_part, class_name, killed), daemon=True)
+    target, args = (kill_when, ()) if method is None else (kill_mid_call, (method,))
+    watcher = threading.Thread(target=target, args=(ckpt, name_part, class_name, *args, killed), daemon=True)
     watcher.start()
     state = main_diffusion_v1(
         overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", f"trainer.experiment_name={experiment}"],

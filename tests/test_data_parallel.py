@@ -128,55 +128,73 @@ def test_a_two_rank_flow_run_trains_what_one_rank_trains(two_rank_reference, flo
     assert sorted(p.name for p in (ckpt / "global_step_2").iterdir() if p.is_dir()) == ["actor"]
 
 
-def test_a_killed_rank_is_restarted_and_the_run_ends_with_the_fault_free_weights(two_rank_reference, flow_overrides, tmp_path):
-    """SIGKILL training rank 1 (pid from Ray's state API) after the first checkpoint: Ray restarts it, the
-    retried or continuing epoch resets it to the checkpoint and forms the ranks' group again, and the run ends
-    with the uninterrupted two-rank run's weights, bit for bit."""
+def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_with_the_fault_free_weights(
+    two_rank_reference, flow_overrides, tmp_path
+):
+    """SIGKILL training rank 1 (pid from Ray's state API) while it runs epoch 2's training step, rank 0 waiting
+    for it in a gradient all-reduce: the step fails on both ranks, Ray restarts rank 1, the retried epoch resets
+    it to the epoch's checkpoint and forms the ranks' group again, and the run ends with the uninterrupted
+    two-rank run's weights, bit for bit."""
     import ray
     from flow_utils import assert_same_weights, final_weights, run_with_kill
-    from ray.util.state import list_actors
+    from ray.util.state import list_actors, list_tasks
 
     ckpt = tmp_path / "ckpt"
-    state, killed = run_with_kill([*flow_overrides, *TWO_RANKS], ckpt, "rankkill", "training-actor-rank1", "TrainingActor")
-    assert killed, "no training rank 1 was found to kill"
+    overrides = [*flow_overrides, *TWO_RANKS]
+    state, killed = run_with_kill(overrides, ckpt, "rankkill", "training-actor-rank1", "TrainingActor", "train_step")
+    assert killed, "training rank 1 was not seen running a training step"
     assert state.is_completed(), state.message
     assert_same_weights(final_weights(ckpt), final_weights(two_rank_reference[1]))
     run_id = state.result().run_id
-    (rank1,) = list_actors(
-        address=ray.get_runtime_context().gcs_address,
-        filters=[("name", "=", f"omniflow-{run_id}-training-actor-rank1")],
-        detail=True,
-    )
+    address = ray.get_runtime_context().gcs_address
+    (rank1,) = list_actors(address=address, filters=[("name", "=", f"omniflow-{run_id}-training-actor-rank1")], detail=True)
     assert rank1.num_restarts == 1, rank1
+    # Step 2 ran twice on each rank: the first try failed (rank 1 killed in it, rank 0's collective broken).
+    (rank0,) = list_actors(address=address, filters=[("name", "=", f"omniflow-{run_id}-training-actor")], detail=True)
+    for actor in (rank0, rank1):
+        steps = list_tasks(
+            address=address, filters=[("actor_id", "=", actor.actor_id), ("name", "=", "TrainingActor.train_step")]
+        )
+        assert sorted(t.state for t in steps) == ["FAILED", "FINISHED", "FINISHED"], (actor.name, steps)
 
 
-def test_fsdp2_checkpoints_hold_shards_and_a_whole_model_and_resume_on_another_rank_count(
+def test_fsdp2_checkpoints_hold_shards_and_a_whole_model_and_resume_bitwise_or_on_another_rank_count(
     flow_reference, flow_overrides, tmp_path
 ):
     """Two fsdp2 ranks train epoch 1 and checkpoint it: `actor/dcp/` holds one shard file per rank (torch.distributed
     .checkpoint), rank 0 also writes today's consolidated `model.safetensors` and a diffusers export that plain
-    `from_pretrained` loads. One fsdp2 rank resumes from those shards (resharded) for epoch 2, and the run ends
+    `from_pretrained` loads. Two fsdp2 ranks resume from those shards for epoch 2 and end with the uninterrupted
+    two-rank fsdp2 run's weights, bit for bit; one fsdp2 rank resumes from a copy of them (resharded) and ends
     with the one-rank run's weights within the bound above."""
+    import shutil
+
     from diffusers import SD3Transformer2DModel
-    from flow_utils import final_weights
+    from flow_utils import assert_same_weights, final_weights
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
     from safetensors.torch import load_file
 
-    ckpt = tmp_path / "ckpt"
-    common = [*flow_overrides, "actor_rollout_ref.actor.strategy=fsdp2", f"trainer.default_local_dir={ckpt}"]
-    first = main_diffusion_v1(overrides=[*common, "trainer.n_gpus_per_node=2", "trainer.total_epochs=1"], return_state=True)
-    assert first.is_completed(), first.message
+    def run(ckpt, *overrides):
+        common = [*flow_overrides, "actor_rollout_ref.actor.strategy=fsdp2", f"trainer.default_local_dir={ckpt}"]
+        state = main_diffusion_v1(overrides=[*common, *overrides], return_state=True)
+        assert state.is_completed(), state.message
+        return state
+
+    ckpt, resharded, uninterrupted = tmp_path / "ckpt", tmp_path / "resharded", tmp_path / "uninterrupted"
+    run(uninterrupted, "trainer.n_gpus_per_node=2")
+    run(ckpt, "trainer.n_gpus_per_node=2", "trainer.total_epochs=1")
     actor = ckpt / "global_step_1" / "actor"
     shards = sorted(p.name for p in (actor / "dcp").iterdir())
     assert ".metadata" in shards and len([s for s in shards if s.endswith(".distcp")]) == 2, shards
     whole = load_file(str(actor / "model.safetensors"))
     exported = SD3Transformer2DModel.from_pretrained(str(actor / "hf")).state_dict()
     assert whole.keys() == exported.keys() and all(torch.equal(whole[k], exported[k]) for k in whole)
+    shutil.copytree(ckpt, resharded)
 
-    second = main_diffusion_v1(overrides=[*common, "trainer.n_gpus_per_node=1", "trainer.total_epochs=2"], return_state=True)
-    assert second.is_completed(), second.message
-    assert second.result().global_step == 2
-    two, one = final_weights(ckpt), final_weights(flow_reference[2])
+    assert run(ckpt, "trainer.n_gpus_per_node=2", "trainer.total_epochs=2").result().global_step == 2
+    assert_same_weights(final_weights(ckpt), final_weights(uninterrupted))
+
+    assert run(resharded, "trainer.n_gpus_per_node=1", "trainer.total_epochs=2").result().global_step == 2
+    two, one = final_weights(resharded), final_weights(flow_reference[2])
     worst = max(float((two[k] - one[k]).norm() / one[k].norm()) for k in one)
     print(f"fsdp2 (2 ranks, then 1 resumed) vs one-rank run: relative difference {worst:.3e}")
     assert worst <= RELATIVE_BOUND

@@ -1,11 +1,15 @@
 """A run on a two-node Ray cluster built as a user builds one (`tests/ray_heads.py`): `ray start --head` plus
 a second raylet joined by `ray start --address=...`, each with 4 logical CPUs and a custom resource naming it.
-A run reserves 6 (TransferQueue controller + 2 storage units, the training actor, a rollout worker, the
-fit_epoch task), so it cannot fit on one node.
+The run is `trainer.nnodes=2 x n_gpus_per_node=1` ddp ranks with 2 rollout workers, and reserves all 8 CPUs:
+TransferQueue's controller and 2 storage units (3, placed first, on both nodes), then the run's placement
+group of 2 bundles (a rank and its colocated rollout worker: 2 CPUs each), then the fit_epoch task (1).
+Neither node has the 4 free CPUs that would hold both bundles, so PACK places one bundle on each node,
+as it spreads a real cluster's ranks when one node's GPUs cannot hold them all.
 
-* `omniflow train ray_kwargs.ray_init.address=<head>` completes; Ray's state API shows TransferQueue's storage
-  units on both nodes (TQ places them round-robin), the training actor and its rollout worker together (one
-  PACK bundle), and one shared-storage probe task per node.
+* `omniflow train ray_kwargs.ray_init.address=<head>` completes; Ray's state API shows the two training ranks
+  on different nodes (their gloo group spans the nodes), each rank's rollout worker on its rank's node,
+  TransferQueue's storage units on both nodes (TQ places them round-robin), and one shared-storage probe
+  task per node.
 * A checkpoint folder that resolves per node fails the run at start with the node that cannot see it: each
   raylet runs with its own HOME (as two hosts have two home disks) and `trainer.default_local_dir=~/...`.
 """
@@ -70,6 +74,10 @@ def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nod
         f"trainer.default_local_dir={ckpt}",
         "trainer.total_epochs=1",
         "trainer.experiment_name=multinode",
+        "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.actor.strategy=ddp",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
     ]
     # The session's Prefect API, as a cluster run uses one server that every node reaches (README).
     env = {**cluster.client_env, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
@@ -87,12 +95,12 @@ def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nod
     actors = {a["name"]: a["node"] for a in state["actors"] if a["name"]}
     units = {name: node for name, node in actors.items() if name.startswith("TransferQueueStorageUnit#")}
     assert len(units) == 2 and set(units.values()) == set(node_of.values()), actors
-    training = [
-        node for name, node in actors.items() if name.startswith("omniflow-multinode-") and name.endswith("-training-actor")
-    ]
-    rollout = [node for name, node in actors.items() if name.startswith("omniflow-multinode-") and "-rollout-worker-" in name]
-    assert len(training) == 1 and rollout == training, actors  # the run's bundle: actor and colocated worker
-    run_nodes = {*units.values(), *training, actors["TransferQueueController"]}
+    run_actors = {name.split("-", 3)[3]: node for name, node in actors.items() if name.startswith("omniflow-multinode-")}
+    ranks = [run_actors["training-actor"], run_actors["training-actor-rank1"]]
+    workers = [run_actors["rollout-worker-0"], run_actors["rollout-worker-1"]]
+    assert set(ranks) == set(node_of.values()), actors  # one rank per node
+    assert workers == ranks, actors  # rollout worker j in rank j's bundle (colocated, as on a GPU)
+    run_nodes = {*units.values(), *ranks, actors["TransferQueueController"]}
     assert run_nodes == set(node_of.values()), actors
     # The shared-storage check ran its rounds (write, look, remove) on each node.
     probes = [t["node"] for t in state["tasks"]]

@@ -50,6 +50,7 @@ from omni_core.checkpoint.files import read_tensors, read_torch_state, write_ten
 from omni_core.checkpoint.layout import CheckpointError
 from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
+from omni_core.faults import is_peer_rank_lost
 from omni_core.models.placement import module_placement, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import score_transitions
@@ -68,6 +69,11 @@ PROCESS_GROUP_TIMEOUT_S = 600
 class RankRestartedError(RuntimeError):
     """A data-parallel rank was asked to train without a process group: Ray restarted its process mid-epoch.
     An infrastructure failure (`faults.is_retryable`): the retried epoch resets the ranks and forms the group."""
+
+
+class PeerRankLostError(RuntimeError):
+    """A collective of a training step failed because another rank's process went away (gloo raises a plain
+    RuntimeError "Connection closed by peer"). Retryable: the retried epoch resets the ranks and re-forms the group."""
 
 
 def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> dict[str, float]:
@@ -394,7 +400,29 @@ class TrainingActor:
 
         `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all of them, in
         order), which must include every sample of this rank's slices (`local_samples`).
+
+        A step that fails part-way may have updated some parameters (an optimizer step of an earlier
+        mini-batch) and, with several ranks, leaves the group's collectives out of step: the rank then reports
+        version -1 and no group, so the epoch that retries resets it to its checkpoint and re-forms the group.
         """
+        try:
+            return self._train_on(traj, advantages, global_step, samples)
+        except NonFiniteTrainingError:  # raised after the optimizer step was skipped: the weights are the last step's
+            raise
+        except Exception as exc:
+            self.version = -1
+            if self.world_size > 1:
+                self.ddp, self.group_generation = None, None
+                if is_peer_rank_lost(exc):
+                    raise PeerRankLostError(
+                        f"training rank {self.rank}: another rank's process went away during step {global_step} "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+                    ) from exc
+            raise
+
+    def _train_on(
+        self, traj: Trajectory, advantages: torch.Tensor, global_step: int, samples: list[int] | None
+    ) -> dict[str, float]:
         t0 = time.perf_counter()
         batch_size = advantages.shape[0]
         rows = list(range(batch_size)) if samples is None else list(samples)
