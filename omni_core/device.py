@@ -15,6 +15,9 @@ import sys
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig, with_updates
 
+# torch.distributed backend of each device type (the training ranks' process group).
+PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
 # Device files of the NVIDIA (CUDA), WSL (dxg), ROCm (kfd, also torch.cuda) and Ascend drivers.
 # /proc/driver/nvidia exists once the driver is loaded, even before /dev/nvidiaN is created on first use.
 ACCELERATOR_DRIVER_FILES = ("/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/dxg", "/dev/kfd", "/dev/davinci[0-9]*")

@@ -321,3 +321,26 @@ def test_registering_a_taken_mode_name_is_refused():
         @register_diffusion_trainer("sync")
         class Other:
             pass
+
+
+def test_a_strategy_the_installed_torch_cannot_run_on_the_device_is_refused():
+    """The real torch of this machine: a CPU build has gloo and FSDP2 but no NCCL, so ddp / fsdp2 ranks on cuda
+    are refused by name (backend, device, torch version) and the same strategies on cpu pass."""
+    import torch
+    import torch.distributed as dist
+
+    from omni_core.config import load_config
+    from omni_core.validation.devices import distributed_problems
+
+    for strategy in ("ddp", "fsdp2"):
+        config = load_config(overrides=[f"actor_rollout_ref.actor.strategy={strategy}", "trainer.n_gpus_per_node=2"])
+        assert distributed_problems(config, "cpu") == []
+        problems = distributed_problems(config, "cuda")
+        if dist.is_nccl_available():  # a CUDA build: NCCL is there, nothing to refuse
+            assert problems == []
+            continue
+        (problem,) = problems
+        assert problem.key == "actor_rollout_ref.actor.strategy" and problem.value == strategy
+        assert f"torch {torch.__version__} has no nccl backend" in problem.message
+        assert f"strategy={strategy} uses on trainer.device=cuda" in problem.message
+    assert distributed_problems(load_config(), "cuda") == []  # one rank, strategy=torch: no process group

@@ -47,6 +47,8 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
             )
         )
     p.extend(fsdp2_problems(config))
+    if ray_init.address is None:  # a joined cluster's torch is the workers', not this driver's
+        p.extend(distributed_problems(config, device))
     # A reservation that cannot be met hangs forever (DESIGN.md section 7). A joined cluster is checked
     # once connected; a local one declares ray_init.num_cpus (and num_gpus, when set).
     budget = run_resource_budget(config)
@@ -71,6 +73,52 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
         )
     p.extend(ray_init_problems(config))
     return p
+
+
+def distributed_problems(config: OmniFlowConfig, device: str) -> list[ConfigProblem]:
+    """Whether the installed torch can run `actor.strategy` on `device`: torch.distributed with the device's
+    backend (gloo, NCCL; HCCL comes with torch_npu and is not checked here) and, for fsdp2, `fully_shard`."""
+    strategy = config.actor_rollout_ref.actor.strategy
+    if strategy == "torch":
+        return []
+    import torch
+    import torch.distributed as dist
+
+    from omni_core.device import PROCESS_GROUP_BACKENDS
+
+    key, build = "actor_rollout_ref.actor.strategy", f"the installed torch {torch.__version__}"
+    if not dist.is_available():
+        reason = f"{build} was built without torch.distributed, which strategy={strategy} needs on trainer.device={device}"
+        return [
+            ConfigProblem(
+                key,
+                f"{reason}; install a torch build with distributed support, or train on one rank with strategy=torch",
+                strategy,
+            )
+        ]
+    backend = PROCESS_GROUP_BACKENDS.get(device)
+    available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available}.get(backend or "")
+    if available is not None and not available():
+        return [
+            ConfigProblem(
+                key,
+                f"{build} has no {backend} backend, which strategy={strategy} uses on trainer.device={device}; install a "
+                f"torch build for {device} with {backend}, or train on one rank with strategy=torch",
+                strategy,
+            )
+        ]
+    if strategy == "fsdp2":
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+        except ImportError as exc:
+            return [
+                ConfigProblem(
+                    key,
+                    f"{build} cannot run FSDP2 on trainer.device={device} ({exc}); install torch >= 2.6, or use strategy=ddp",
+                    strategy,
+                )
+            ]
+    return []
 
 
 def fsdp2_problems(config: OmniFlowConfig) -> list[ConfigProblem]:

@@ -50,6 +50,7 @@ from omni_core.checkpoint.files import read_tensors, read_torch_state, write_ten
 from omni_core.checkpoint.layout import CheckpointError
 from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
+from omni_core.device import PROCESS_GROUP_BACKENDS
 from omni_core.faults import is_peer_rank_lost
 from omni_core.models.placement import module_placement, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
@@ -59,8 +60,6 @@ from omni_core.workers import fsdp2
 
 logger = logging.getLogger(__name__)
 
-# torch.distributed backend of each device type.
-PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 # A collective that waits this long for a rank fails instead of holding the others (a dead rank's peers
 # usually fail at once: gloo sees the closed connection).
 PROCESS_GROUP_TIMEOUT_S = 600
