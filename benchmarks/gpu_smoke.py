@@ -14,7 +14,13 @@ For each model (``--models``) and training mode (``lora``: rank 32 on flow_grpo'
    (``FlopCounterMode`` FLOPs over CUDA-event time) against a bf16 matmul peak measured in the same run;
    ``logprob_precision``, |log-prob(fp32) - log-prob(bf16 autocast)| over the rollout's stored transitions;
    ``train``, ``--updates`` PPO updates (old log-probs + ``ppo_update`` with the TrainingActor's step function):
-   samples/s and the first on-policy ratio (``actor/ratio_mean`` before the weights move: ~1).
+   samples/s and the first on-policy ratio (``actor/ratio_mean`` before the weights move: ~1);
+4. ``fsdp2_train`` (``actor.strategy=fsdp2`` on one rank): a process group of this process alone (NCCL; gloo on
+   CPU), a fresh training copy sharded with ``omni_core.workers.fsdp2.shard_transformer`` (parameters gathered in
+   the compute dtype, gradients reduced in fp32), the same PPO updates on the same trajectory as the training
+   actor runs them (root ``reshard()`` before the update, ``no_gradient_sync`` between micro-batches): samples/s,
+   the first ratio, finite loss / grad norm, the first grad norm against ``train``'s, and ``full_trainable_state``
+   gathered once (every tensor finite, its parameter elements = the unsharded trainable parameter count).
 
 Every phase records its peak GPU memory and is guarded: an OOM becomes ``{"status": "oom"}`` and the run goes on.
 The JSON (``--out``) is rewritten after every phase. Without CUDA the script exits 2, unless ``--cpu-check``:
@@ -27,19 +33,23 @@ the same code on CPU with shrunken configs (same classes, a few layers, 64 px), 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import gc
 import importlib.resources
 import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +62,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages  # noqa: E402
-from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, build_optimizer, ppo_update  # noqa: E402
+from omni_core.algorithms.update import (  # noqa: E402
+    PPOUpdateConfig,
+    StepOutput,
+    build_optimizer,
+    nonfinite_metrics,
+    ppo_update,
+)
 from omni_core.models.policy import FlowPolicy  # noqa: E402
 from omni_core.models.published_configs import build_published_pipeline, published_model  # noqa: E402
 from omni_core.rollout.sampler import generate, score_transitions  # noqa: E402
 from omni_core.rollout.trajectory import Trajectory  # noqa: E402
+from omni_core.workers import fsdp2  # noqa: E402
 
 SCHEMA_VERSION = 1
 NEEDS_GPU = "gpu_smoke.py needs an NVIDIA GPU (torch.cuda.is_available() is False); run it on a CUDA machine"
@@ -79,6 +96,9 @@ GUIDANCE = {"sd3.5-medium": 1.0, "flux.1-dev": 3.5}
 # Samples per forward/backward on the GPU: FLUX's activations at 1152 tokens are ~7 GB per sample in bf16.
 MICRO_BATCH = {"sd3.5-medium": 8, "flux.1-dev": 4}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The training ranks' process-group backends (omni_core.device.PROCESS_GROUP_BACKENDS, which imports the config
+# schema and so pydantic: repeated here for the two devices this script runs on).
+PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -223,6 +243,36 @@ def old_log_probs(policy: FlowPolicy, traj: Trajectory, micro: int, sde: dict[st
 def abs_diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     diff = (a.float().cpu() - b.float().cpu()).abs()
     return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "transitions": diff.numel()}
+
+
+@contextlib.contextmanager
+def single_rank_group(device: torch.device) -> Iterator[str]:
+    """A ``torch.distributed`` group of this process alone (rank 0 of 1, TCP rendezvous on a free local port), as
+    ``TrainingActor.join_process_group`` forms one; destroyed on exit, also on error, so that later phases and the
+    next model start without one. Yields the backend name."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(f"torch {torch.__version__} was built without torch.distributed: FSDP2 cannot run")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed group is already initialised (a phase before did not destroy it)")
+    backend = PROCESS_GROUP_BACKENDS[device.type]
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise RuntimeError(f"torch {torch.__version__} has no NCCL backend: FSDP2 on CUDA cannot run")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
 
 
 class Smoke:
@@ -444,11 +494,78 @@ class Smoke:
 
     def train(self, policy: FlowPolicy, traj: Trajectory, name: str) -> tuple[None, dict]:
         """``--updates`` training steps as TrainingActor.train_on runs them: old log-probs, then ``ppo_update``."""
+        optimizer = build_optimizer(self.s.defaults["optim"], policy.trainable_parameters())
+        return None, self._ppo_updates(policy, traj, name, optimizer)
+
+    def fsdp2_train(self, path: Path, mode: str, compute: torch.dtype, traj: Trajectory, name: str) -> tuple[None, dict]:
+        """The ``train`` phase under ``actor.strategy=fsdp2`` on one rank: a group of this process alone, a fresh
+        training copy sharded by ``workers.fsdp2.shard_transformer`` (each block, then the root; parameters
+        all-gathered in the compute dtype, gradients reduced in fp32), AdamW over the shards, ``--updates`` PPO
+        updates as ``TrainingActor._train_on`` runs them (old log-probs, the root's ``reshard()``, ``ppo_update``
+        with ``no_gradient_sync`` between micro-batches), then ``full_trainable_state`` gathered once."""
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch without FSDP2: the phase's error says so)
+
+        with single_rank_group(self.s.device) as backend:
+            policy, load = self.load_trained(path, mode, compute)
+            # Counted on the whole (unsharded) module: what the gathered state must add up to.
+            trainable = load["trainable_parameters"]
+            sharded_blocks = fsdp2.shard_transformer(policy, world_size=1)
+            optimizer = build_optimizer(self.s.defaults["optim"], policy.trainable_parameters())
+            stats = self._ppo_updates(
+                policy,
+                traj,
+                name,
+                optimizer,
+                before_update=policy.transformer.reshard,
+                no_grad_sync=partial(fsdp2.no_gradient_sync, policy.transformer),
+            )
+            full, gather_s = wall(self.s.device, fsdp2.full_trainable_state, policy, 0)
+            buffers = {key for key, _ in policy.transformer.named_buffers()}  # full FT: persistent buffers ride along
+            gathered = {
+                "tensors": len(full),
+                "elements": sum(v.numel() for v in full.values()),
+                "parameter_elements": sum(v.numel() for k, v in full.items() if k not in buffers),
+                "all_finite": all(bool(torch.isfinite(v).all()) for v in full.values()),
+                "gather_s": gather_s,
+            }
+            gathered["parameter_elements_equal_trainable"] = gathered["parameter_elements"] == trainable
+        return None, {
+            "backend": backend,
+            "world_size": 1,
+            "sharded_blocks": sharded_blocks,
+            "mixed_precision": {"param_dtype": dtype_name(compute), "reduce_dtype": "float32"},
+            "load_s": load["load_s"],
+            "trainable_parameters": trainable,
+            **stats,
+            "gathered_state": gathered,
+        }
+
+    def compare_fsdp2(self, crec: dict[str, Any]) -> None:
+        """``fsdp2_train.first_grad_norm_rel_diff_vs_train``: both phases start from the same freshly loaded weights
+        and recompute the same old log-probs, so their first update's gradient is one computation, sharded or not
+        (equal in fp32; within the compute dtype's rounding otherwise). A sharding that loses a gradient shows here."""
+        sharded, whole = crec.get("fsdp2_train", {}), crec.get("train", {})
+        if sharded.get("status") != "ok" or whole.get("status") != "ok":
+            return
+        a, b = sharded["updates"][0]["actor/grad_norm"], whole["updates"][0]["actor/grad_norm"]
+        sharded["first_grad_norm_rel_diff_vs_train"] = abs(a - b) / abs(b) if b else abs(a - b)
+        self.flush()
+
+    def _ppo_updates(
+        self,
+        policy: FlowPolicy,
+        traj: Trajectory,
+        name: str,
+        optimizer: torch.optim.Optimizer,
+        before_update: Callable[[], Any] | None = None,
+        no_grad_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> dict[str, Any]:
+        """``--updates`` times: old log-probs under no_grad in the update's micro-batch layout, ``before_update()``
+        (FSDP2: the root's reshard), ``ppo_update``; the stats of the ``train`` and ``fsdp2_train`` phases."""
         s, d, micro, sde = self.s, self.s.defaults, self._micro(name), self._sde(name)
         batch_size = traj.batch_size
         # A stand-in reward (mean pixel value) gives group-normalised advantages; rewards never touch the GPU.
         advantages = compute_flow_grpo_advantages(traj.images.float().mean(dim=(1, 2, 3)).cpu(), traj.prompt_index)
-        optimizer = build_optimizer(d["optim"], policy.trainable_parameters())
         cfg = PPOUpdateConfig(
             mini_batch_size=batch_size,
             micro_batch_size=micro,
@@ -471,9 +588,20 @@ class Smoke:
         updates = []
         for _ in range(s.updates):
             old, old_s = wall(s.device, old_log_probs, policy, traj, micro, sde)
+            if before_update is not None:
+                before_update()
             batch = {"old_log_probs": old, "advantages": advantages, "sample": torch.arange(batch_size)}
             metrics, update_s = wall(
-                s.device, ppo_update, policy.transformer, optimizer, None, batch, step_fn=step_fn, cfg=cfg, scaler=scaler
+                s.device,
+                ppo_update,
+                policy.transformer,
+                optimizer,
+                None,
+                batch,
+                step_fn=step_fn,
+                cfg=cfg,
+                scaler=scaler,
+                no_grad_sync=no_grad_sync,
             )
             updates.append(
                 {
@@ -485,7 +613,8 @@ class Smoke:
             )
         policy.transformer.eval()
         last = updates[-1]
-        return None, {
+        nonfinite = sorted({key for u in updates for key in nonfinite_metrics(u, scaled=scaler is not None)})
+        return {
             "micro_batch": micro,
             "mini_batch": batch_size,
             "transformer_fwd_bwd_per_update": batch_size * traj.window_size,
@@ -497,6 +626,9 @@ class Smoke:
                 "kl_coef": 0.0,
             },
             "grad_scaler": scaler is not None,
+            # Every update's loss and grad norm finite (with fp16's scaler: an overflow alone does not count).
+            "finite": not nonfinite,
+            "nonfinite_metrics": nonfinite,
             "first_on_policy_ratio_mean": updates[0]["actor/ratio_mean"],
             "first_on_policy_ratio_std": updates[0]["actor/ratio_std"],
             "rollout_vs_recomputed_log_prob": updates[0]["rollout_vs_recomputed_log_prob"],
@@ -546,6 +678,9 @@ class Smoke:
                 self.guarded(crec, "train", clabel, self.train, policy, traj, name)
                 del policy
                 free_memory(s.device)
+                # Its own fresh copy (sharding is in place and one-way), as the training actor starts from whole weights.
+                self.guarded(crec, "fsdp2_train", clabel, self.fsdp2_train, path, mode, compute, traj, name)
+                self.compare_fsdp2(crec)
             del traj
             free_memory(s.device)
         if not s.keep_models:
@@ -584,7 +719,8 @@ def _machine(device: torch.device) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    """A few lines per model: rollout images/s, |Δ log-prob|, and per training case samples/s, first ratio, TFLOP/s."""
+    """A few lines per model: rollout images/s, |Δ log-prob|, and per training case samples/s, first ratio, TFLOP/s,
+    and the same under FSDP2 with its gathered state."""
 
     def mem(rec: dict) -> str:
         return f", peak {rec['peak_memory_gib']:.1f} GiB" if rec.get("peak_memory_gib") is not None else ""
@@ -617,6 +753,19 @@ def summary(result: dict[str, Any]) -> str:
                     if fb["fraction_of_bf16_matmul_peak"] is not None:
                         text += f" ({fb['fraction_of_bf16_matmul_peak']:.2f} of peak)"
                 lines.append(text)
+                fs = crec.get("fsdp2_train", {})
+                text = f"  {mode} fsdp2 train ({compute}, 1 rank): "
+                if fs.get("status") == "ok":
+                    gathered = fs["gathered_state"]
+                    text += (
+                        f"{fs['update_samples_per_s']:.3g} samples/s, first ratio {fs['first_on_policy_ratio_mean']:.6f}, "
+                        f"finite {fs['finite']}{mem(fs)}; gathered {gathered['parameter_elements']} of "
+                        f"{fs['trainable_parameters']} trainable elements, finite {gathered['all_finite']}"
+                    )
+                else:
+                    text += str(fs.get("status"))
+                if fs:
+                    lines.append(text)
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """benchmarks/gpu_smoke.py without a GPU: it refuses to run (exit 2), and its ``--cpu-check`` runs the same
-phases on CPU with shrunken published configs and writes the JSON fields that benchmarks/README.md quotes.
+phases on CPU with shrunken published configs and writes the JSON fields that benchmarks/README.md quotes
+(the fsdp2 phase's gathered state checked against trainable parameters counted here on the meta device).
 Also the published configs themselves: their names are the diffusers constructors' keywords, and the
 full-fine-tuning memory rule skips FLUX.1-dev on an H200 but not SD3.5-medium."""
 
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from omni_core.models.published_configs import PUBLISHED, count_transformer_parameters, transformer_config
 
@@ -29,6 +31,28 @@ def _load_script():
     sys.modules.setdefault(spec.name, module)  # its dataclass resolves annotations through sys.modules
     spec.loader.exec_module(sys.modules[spec.name])
     return sys.modules[spec.name]
+
+
+def _shrunk_transformer_counts(name: str, mode: str, lora_rank: int, lora_targets: list[str]) -> dict[str, int]:
+    """Counted on a meta-device copy of the shrunken transformer, independently of the script: trainable parameter
+    elements (full: every parameter; LoRA: rank x (in + out) for the A and B matrices of each targeted Linear, peft
+    matching a target as the module name or its dotted suffix), state elements (full: + persistent buffers) and
+    blocks (FSDP2 shards each of them on its own)."""
+    config = transformer_config(name, shrink=True)
+    with torch.device("meta"):
+        module = PUBLISHED[name].transformer_cls(**config)
+    if mode == "full":
+        trainable = sum(p.numel() for p in module.parameters())
+        state = sum(t.numel() for t in module.state_dict().values())
+    else:
+        linears = [
+            m
+            for n, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(n.endswith("." + t) for t in lora_targets)
+        ]
+        trainable = state = sum(lora_rank * (m.in_features + m.out_features) for m in linears)
+    blocks = config["num_layers"] + config.get("num_single_layers", 0)
+    return {"trainable": trainable, "state": state, "blocks": blocks}
 
 
 def _numbers(obj, path="$"):
@@ -93,6 +117,10 @@ def test_cpu_check_runs_every_phase_and_writes_finite_json(tmp_path):
         assert build["parameters"]["transformer"] > 0
         assert set(model["modes"]) == {"lora", "full"}  # the shrunken models fit: no mode is skipped
         for mode, rec in model["modes"].items():
+            settings = result["settings"]
+            counts = _shrunk_transformer_counts(name, mode, settings["lora_rank"], settings["lora_targets"])
+            if mode == "full":
+                assert counts["trainable"] == build["parameters"]["transformer"]
             rollout = rec["rollout"]
             assert rollout["status"] == "ok" and rollout["images"] == batch and rollout["log_probs_finite"] is True
             assert rollout["images_per_s"] > 0 and rollout["weights_dtype"] == "bfloat16"
@@ -121,3 +149,25 @@ def test_cpu_check_runs_every_phase_and_writes_finite_json(tmp_path):
                     assert abs(ratio - 1.0) <= 1e-3, (name, mode, ratio)
                 else:
                     assert abs(ratio - 1.0) <= 1e-2, (name, mode, ratio)
+
+                # The same updates with the transformer FSDP2-sharded over a gloo group of one rank.
+                sharded = case["fsdp2_train"]
+                assert sharded["status"] == "ok", sharded.get("traceback")
+                assert (
+                    sharded["backend"] == "gloo" and sharded["world_size"] == 1 and sharded["sharded_blocks"] == counts["blocks"]
+                )
+                assert sharded["mixed_precision"] == {"param_dtype": compute, "reduce_dtype": "float32"}
+                assert sharded["finite"] is True and sharded["nonfinite_metrics"] == []
+                assert len(sharded["updates"]) == result["settings"]["updates"] and sharded["mini_batch"] == batch
+                assert sharded["update_samples_per_s"] > 0 and sharded["peak_memory_gib"] is None
+                assert abs(sharded["first_on_policy_ratio_mean"] - 1.0) <= 1e-3, (name, mode, compute, sharded["updates"][0])
+                # Same fresh weights and old log-probs as `train`: the same first gradient (bit-equal seen in fp32;
+                # bf16: ~1% apart, parameters cast by FSDP2's policy rather than by autocast alone).
+                rel = sharded["first_grad_norm_rel_diff_vs_train"]
+                assert rel <= (1e-5 if compute == "float32" else 5e-2), (name, mode, compute, rel)
+                gathered = sharded["gathered_state"]
+                assert gathered["all_finite"] is True and gathered["tensors"] > 0
+                assert sharded["trainable_parameters"] == counts["trainable"] == case["load"]["trainable_parameters"]
+                assert gathered["parameter_elements"] == counts["trainable"], (name, mode, gathered)
+                assert gathered["elements"] == counts["state"], (name, mode, gathered)  # SD3.5 full: + its pos_embed buffer
+                assert gathered["parameter_elements_equal_trainable"] is True
