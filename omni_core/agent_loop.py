@@ -35,6 +35,7 @@ class AgentLoopManager:
         self.names = names
         self._inflight: list[ray.ObjectRef] = []
         self._logs: list[LogLine] = []
+        self.busy_seconds = 0.0  # sampling time of the requests that finished so far (their workers' own clocks)
         # The last weights pushed (an ObjectRef or a state dict) and their version: a worker that Ray restarted
         # after its process died comes back with the base weights and gets them again before it samples.
         self._weights: tuple[Any, int] | None = None
@@ -86,6 +87,15 @@ class AgentLoopManager:
         for ref in done:
             result = ray.get(ref)  # re-raises the worker's exception with its traceback
             self._logs.extend(result.logs)
+            self.busy_seconds += result.seconds
+
+    def wait_idle(self, timeout_s: float = 600) -> None:
+        """Wait (bounded) until every request dispatched from this process has finished; raise as `check_alive`."""
+        if self._inflight:
+            ray.wait(self._inflight, num_returns=len(self._inflight), timeout=timeout_s)
+        self.check_alive()
+        if self._inflight:
+            raise TimeoutError(f"{len(self._inflight)} rollout requests still running after {timeout_s:g}s")
 
     def drain_logs(self) -> list[LogLine]:
         """Log lines of the requests that finished since the last call."""

@@ -41,10 +41,24 @@ class ResourceBudget:
         return ", ".join(f"{role} {n}" for role, n in self.cpus.items())
 
 
+def standalone_rollout(config: Any) -> bool:
+    """separate_async: the rollout workers have devices of their own (not colocated with the training ranks)."""
+    return config.trainer.v1.trainer_mode == "separate_async"
+
+
+def rollout_worker_count(config: Any) -> int:
+    """sync: `rollout.agent.num_workers`, colocated; separate_async: one worker per device of the standalone
+    pool, `rollout.nnodes x rollout.n_gpus_per_node` (on cpu: processes)."""
+    rollout = config.actor_rollout_ref.rollout
+    if standalone_rollout(config):
+        return rollout.nnodes * rollout.n_gpus_per_node
+    return rollout.agent.num_workers
+
+
 def run_resource_budget(config: Any) -> ResourceBudget:
     """What a run of `config` (an `OmniFlowConfig`) reserves on its Ray cluster."""
     units = config.transfer_queue.backend.SimpleStorage.num_data_storage_units
-    workers = config.actor_rollout_ref.rollout.agent.num_workers
+    workers = rollout_worker_count(config)
     trainer = config.trainer
     cpus = {
         "transfer_queue": TQ_CONTROLLER_CPUS + TQ_STORAGE_UNIT_CPUS * units,
@@ -52,7 +66,8 @@ def run_resource_budget(config: Any) -> ResourceBudget:
         "rollout_workers": ROLLOUT_WORKER_CPUS * workers,
         "fit_epoch_task": FIT_EPOCH_TASK_CPUS,
     }
-    gpus = trainer.n_gpus_per_node * trainer.nnodes if trainer.device == "cuda" else 0
+    ranks = trainer.n_gpus_per_node * trainer.nnodes
+    gpus = ranks + (workers if standalone_rollout(config) else 0) if trainer.device == "cuda" else 0
     return ResourceBudget(cpus=cpus, gpus=gpus)
 
 
@@ -91,22 +106,29 @@ ACCELERATOR_RESOURCES = {"cuda": "GPU", "npu": "NPU"}
 
 
 def resource_plan(config: Any) -> ResourcePlan:
-    """The placement of the training ranks and rollout workers of `config` (its `trainer.device` resolved)."""
+    """The placement of the training ranks and rollout workers of `config` (its `trainer.device` resolved).
+
+    sync: rollout worker `j` shares bundle `j % ranks` with training rank `j % ranks` (colocated).
+    separate_async: bundles `0 .. ranks-1` hold the training ranks alone and each rollout worker has a bundle
+    (and, on an accelerator, a whole device) of its own after them: the standalone rollout pool.
+    """
     trainer = config.trainer
     ranks = trainer.n_gpus_per_node * trainer.nnodes
-    workers = config.actor_rollout_ref.rollout.agent.num_workers
+    workers = rollout_worker_count(config)
     device = trainer.device
     accelerator = ACCELERATOR_RESOURCES.get(device)
-    per_bundle = [1 + sum(1 for j in range(workers) if j % ranks == b) for b in range(ranks)]
+    standalone = standalone_rollout(config)
+    rollout_bundle = [ranks + j if standalone else j % ranks for j in range(workers)]
+    per_bundle = [1 + sum(1 for b in rollout_bundle if b == r) for r in range(ranks)] + [1] * (workers if standalone else 0)
 
     def share(bundle: int) -> float:
         # Ray counts resources in units of 1e-4: round down so that a bundle's shares never exceed 1.
         return math.floor(10_000 / per_bundle[bundle]) / 10_000 if accelerator else 0.0
 
     training = tuple(ActorSlot(b, TRAINING_ACTOR_CPUS, share(b)) for b in range(ranks))
-    rollout = tuple(ActorSlot(j % ranks, ROLLOUT_WORKER_CPUS, share(j % ranks)) for j in range(workers))
+    rollout = tuple(ActorSlot(b, ROLLOUT_WORKER_CPUS, share(b)) for b in rollout_bundle)
     bundles = []
-    for b in range(ranks):
+    for b in range(len(per_bundle)):
         cpus = sum(s.num_cpus for s in (*training, *rollout) if s.bundle == b)
         bundle: dict[str, float] = {"CPU": float(cpus)}
         if accelerator:

@@ -54,8 +54,8 @@ def test_validating_a_config_imports_no_heavy_package(overrides, tiny_sd3_dir):
     # torch is imported only to probe a machine that shows an accelerator driver.
     expected_heavy = {"torch"} if accelerator_driver_present() else set()
     assert HEAVY & set(result["modules"]) == expected_heavy
-    if "trainer.v1.trainer_mode=separate_async" in overrides:
-        assert "trainer.v1.trainer_mode" in result["problems"]
+    if "trainer.v1.trainer_mode=separate_async" in overrides:  # no standalone rollout pool given
+        assert "actor_rollout_ref.rollout.nnodes" in result["problems"]
     if "algorithm.adv_estimator=nope" in overrides:
         assert result["problems"] == ["algorithm.adv_estimator"]
 

@@ -45,13 +45,7 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     | {
         "actor_rollout_ref.rollout.mode",  # vLLM-Omni knob
         "actor_rollout_ref.rollout.checkpoint_engine",  # weight sync to a vLLM-Omni server
-        "actor_rollout_ref.rollout.nnodes",  # 1: a standalone rollout pool (separate_async only)
-        "actor_rollout_ref.rollout.n_gpus_per_node",  # 2: the standalone pool's devices
-        "trainer.v1.trainer_mode",  # separate_async is not implemented yet
-        "trainer.v1.separate_async.num_warmup_batches",  # 0: separate_async is the async issue's work
-        "trainer.v1.separate_async.parameter_sync_step",  # 1: likewise
-        "trainer.v1.separate_async.sync_compatible",  # 1: likewise
-        "trainer.v1.sampler.max_off_policy_threshold",  # 1: sampler staleness is the async issue's work
+        "trainer.v1.separate_async.sync_compatible",  # 1: nothing to pause (requests name their weights)
     },
 }
 

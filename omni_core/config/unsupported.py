@@ -24,13 +24,9 @@ _VAL_PIPELINE = (
     "validation images use actor_rollout_ref.rollout.pipeline's size, guidance and sequence length; only "
     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps differs. Remove this key."
 )
-_ASYNC = (
-    "sampler staleness, group refill and trainer.v1.separate_async are the async issue's work; sync mode trains "
-    "on-policy and fails a step whose prompt group failed. Keep the default."
-)
-_STANDALONE_ROLLOUT = (
-    "a standalone rollout pool belongs to trainer.v1.trainer_mode=separate_async, which is not implemented; the "
-    "rollout workers share the training devices (scale them with actor_rollout_ref.rollout.agent.num_workers). Keep the default."
+_GROUP_REFILL = (
+    "evicting a prompt group with a failed sample and refilling it is not implemented; a failed sample gets "
+    "advantage 0 and reward.max_failure_ratio bounds how many may fail. Keep the default."
 )
 _OFFLOAD = (
     "CPU offload needs the FSDP engine of the scale-out work; OmniFlow's torch strategy keeps parameters and "
@@ -180,23 +176,17 @@ REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
         "true CFG (Qwen-Image style) is not implemented in OmniFlow's sampler; use "
         "actor_rollout_ref.rollout.pipeline.guidance_scale (with negative prompts for FLUX) and keep true_cfg_scale=1.0."
     ),
-    "actor_rollout_ref.rollout.nnodes": _STANDALONE_ROLLOUT,
-    "actor_rollout_ref.rollout.n_gpus_per_node": _STANDALONE_ROLLOUT,
     "reward.num_workers": (
         "rewards are scored inside each rollout worker as its images finish (streaming reward); scale them "
         "with actor_rollout_ref.rollout.agent.num_workers and leave reward.num_workers unset."
     ),
     "trainer.use_v1": "OmniFlow implements only the v1 (TransferQueue) trainer; set trainer.use_v1=true.",
-    **{
-        f"trainer.v1.sampler.{k}": _ASYNC
-        for k in (
-            "max_off_policy_threshold",
-            "max_off_policy_strategy",
-            "drop_incomplete_groups",
-            "max_incomplete_group_refill_rounds",
-        )
-    },
-    **{f"trainer.v1.separate_async.{k}": _ASYNC for k in ("num_warmup_batches", "parameter_sync_step", "sync_compatible")},
+    "trainer.v1.sampler.drop_incomplete_groups": _GROUP_REFILL,
+    "trainer.v1.sampler.max_incomplete_group_refill_rounds": _GROUP_REFILL,
+    "trainer.v1.separate_async.sync_compatible": (
+        "there is nothing to pause: each separate_async rollout request names the weights it samples with, so a "
+        "weight sync never lands inside a request. Keep false."
+    ),
     "transfer_queue.enable": (
         "the v1 trainer always moves rollouts through the TransferQueue (verl-omni's v1 runner forces it on "
         "too); set it to true or leave it out."

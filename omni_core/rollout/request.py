@@ -7,7 +7,8 @@ Plain Python: the controller, the agent loop and the workers import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from omni_core.data.prompts import PromptRecord
 from omni_core.rollout.sampling_params import SamplingParams
@@ -24,12 +25,19 @@ class RolloutItem:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """Prompts to sample into TQ partition ``partition`` for ``global_step``, all with ``params``."""
+    """Prompts to sample into TQ partition ``partition`` for ``global_step``, all with ``params``.
+
+    separate_async: ``weights`` (a Ray ObjectRef of the transformer's trainable state) and ``weights_version``
+    are the weights the worker must sample with; it loads them before the request when its own differ, so a
+    worker switches version between requests, never inside one. None: the worker's current weights (sync).
+    """
 
     partition: str
     global_step: int
     params: SamplingParams
     items: tuple[RolloutItem, ...]
+    weights_version: int | None = None
+    weights: Any = None
 
     @classmethod
     def of_records(
@@ -50,19 +58,13 @@ class RolloutRequest:
     def split(self, k: int) -> list[RolloutRequest]:
         """``k`` contiguous parts (some may be empty), one per worker."""
         n = len(self.items)
-        return [
-            RolloutRequest(self.partition, self.global_step, self.params, self.items[i * n // k : (i + 1) * n // k])
-            for i in range(k)
-        ]
+        return [replace(self, items=self.items[i * n // k : (i + 1) * n // k]) for i in range(k)]
 
     def chunks(self, size: int) -> list[RolloutRequest]:
         """Contiguous parts of at most ``size`` prompts (``data.gen_batch_size`` / ``data.val_batch_size``)."""
         if size < 1:
             raise ValueError(f"chunk size {size} must be >= 1")
-        return [
-            RolloutRequest(self.partition, self.global_step, self.params, self.items[i : i + size])
-            for i in range(0, len(self.items), size)
-        ]
+        return [replace(self, items=self.items[i : i + size]) for i in range(0, len(self.items), size)]
 
     def assign(self, workers: int, chunk_size: int | None = None) -> list[list[RolloutRequest]]:
         """The calls each of ``workers`` workers makes: without ``chunk_size``, one contiguous part each;

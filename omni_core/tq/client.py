@@ -355,14 +355,19 @@ def _guarded(what: str, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _
 
 
 # --------------------------------------------------------------------------------------- prompt rows
-def put_prompts(partition: str, uids: Sequence[str], global_step: int) -> None:
-    """Register prompt rows (tag only) as ``pending`` for ``global_step``."""
+def put_prompts(partition: str, uids: Sequence[str], global_step: int, model_version: int | None = None) -> None:
+    """Register prompt rows (tag only) as ``pending`` for ``global_step``; ``model_version``: the weight version
+    their rollout will use (separate_async, where a request carries its weights), so that the staleness of a
+    group still in flight is known."""
     import transfer_queue as tq
 
     uids = list(uids)
     if not uids:
         return
-    tags = [{"is_prompt": True, "status": PENDING, "global_steps": int(global_step)} for _ in uids]
+    tag: dict[str, Any] = {"is_prompt": True, "status": PENDING, "global_steps": int(global_step)}
+    if model_version is not None:
+        tag["model_version"] = int(model_version)
+    tags = [dict(tag) for _ in uids]
     _guarded("put_prompts", tq.kv_batch_put, keys=uids, partition_id=partition, tags=tags)
 
 

@@ -9,7 +9,13 @@ What differs: every wait is bounded (DESIGN.md §7). Each poll calls the trainer
 (which raises when a rollout worker died), and after ``timeout_s`` a ``TimeoutError`` says what was
 ready and what to check; verl's loop polls forever once a worker is gone. A group is ``finished`` only
 when its ``group_size`` trajectory rows are also there, so a status written before the data is not
-read as a complete group. Staleness dropping (``max_off_policy_threshold``) is not implemented yet.
+read as a complete group.
+
+Staleness (separate_async, ``StalenessRule``): a group's version is the weight version its trajectories
+were sampled with (their ``model_version`` tags; the prompt row's tag while it is in flight). With ``drop``
+a finished group above ``trainer.v1.sampler.max_off_policy_threshold`` is cleared and counted instead of
+trained; with ``wait`` sampling also holds while a group in flight would pass the threshold by the next
+step, so that it is trained now rather than dropped later (verl's ReplayBuffer semantics).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_core.tq.client import FAILURE, FINISHED, PENDING, RUNNING, clear, list_rows, uid_of_key
+
+OFF_POLICY_STRATEGIES = ("drop", "wait")
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,23 @@ class SampledBatch:
     prompt_uids: list[str]  # oldest first: (global_steps tag, uid)
     trajectory_keys: list[str]  # every trajectory row of those groups, sorted
     failed_uids: dict[str, str] = field(default_factory=dict)  # uid -> reason, for groups whose rollout failed
+    versions: dict[str, int] = field(default_factory=dict)  # uid -> weight version of its trajectories (when tagged)
+    dropped_samples: int = 0  # trajectories of over-stale groups cleared while sampling (StalenessRule.drop)
+    worst_staleness: float | None = None  # the most stale group seen while sampling, dropped ones included
+
+
+@dataclass(frozen=True)
+class StalenessRule:
+    """separate_async's off-policy bound at one training step: ``staleness(version)`` in model versions."""
+
+    threshold: float
+    strategy: str  # "drop" | "wait"
+    staleness: Callable[[int], float]
+    next_step_increment: float  # what one more training step adds to every group's staleness (1 / parameter_sync_step)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in OFF_POLICY_STRATEGIES:
+            raise ValueError(f"max_off_policy_strategy={self.strategy!r} must be one of {OFF_POLICY_STRATEGIES}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,8 @@ class _GroupCensus:
     incomplete: int  # finished, but fewer than group_size trajectory rows so far
     pending: int
     running: int
+    versions: dict[str, int] = field(default_factory=dict)  # uid -> weight version (trajectories' tags, else the prompt's)
+    in_flight: list[str] = field(default_factory=list)  # uids pending, running, or finished with rows missing
 
     def describe(self) -> str:
         return (
@@ -59,14 +86,24 @@ class _GroupCensus:
 def _census(rows: dict[str, dict[str, Any]], group_size: int) -> _GroupCensus:
     trajectories: dict[str, list[str]] = defaultdict(list)
     prompts: dict[str, dict[str, Any]] = {}
+    sampled_with: dict[str, int] = {}
     for key, tag in rows.items():
         if tag.get("is_prompt"):
             prompts[key] = tag
         else:
-            trajectories[uid_of_key(key)].append(key)
+            uid = uid_of_key(key)
+            trajectories[uid].append(key)
+            if "model_version" in tag:
+                sampled_with[uid] = min(int(tag["model_version"]), sampled_with.get(uid, int(tag["model_version"])))
     ready, failed, counts = [], {}, {"incomplete": 0, PENDING: 0, RUNNING: 0}
+    versions: dict[str, int] = {}
+    in_flight: list[str] = []
     for uid, tag in prompts.items():
         status, step = tag.get("status"), int(tag.get("global_steps", 0))
+        if uid in sampled_with:
+            versions[uid] = sampled_with[uid]
+        elif "model_version" in tag:
+            versions[uid] = int(tag["model_version"])
         if status == FAILURE:
             ready.append((step, uid))
             failed[uid] = str(tag.get("reason", "unknown"))
@@ -75,8 +112,10 @@ def _census(rows: dict[str, dict[str, Any]], group_size: int) -> _GroupCensus:
                 ready.append((step, uid))
             else:
                 counts["incomplete"] += 1
+                in_flight.append(uid)
         elif status in (PENDING, RUNNING):
             counts[status] += 1
+            in_flight.append(uid)
     return _GroupCensus(
         ready=sorted(ready),
         trajectories=dict(trajectories),
@@ -84,6 +123,8 @@ def _census(rows: dict[str, dict[str, Any]], group_size: int) -> _GroupCensus:
         incomplete=counts["incomplete"],
         pending=counts[PENDING],
         running=counts[RUNNING],
+        versions=versions,
+        in_flight=in_flight,
     )
 
 
@@ -105,22 +146,61 @@ class ReplayBuffer:
         self.timeout_s = timeout_s
         self.liveness_check = liveness_check
 
-    def sample(self, batch_size: int, global_step: int, group_size: int) -> SampledBatch:
+    def sample(
+        self,
+        batch_size: int,
+        global_step: int,
+        group_size: int,
+        staleness_rule: StalenessRule | None = None,
+        refill: Callable[[int], None] | None = None,
+    ) -> SampledBatch:
         """Wait until ``batch_size`` prompt groups are finished (with ``group_size`` trajectory rows each) or
         failed; take the oldest (by global_steps, then uid), clear their prompt rows, return their keys.
 
+        ``staleness_rule`` (separate_async): over-stale finished groups are cleared and counted, never returned;
+        with ``wait``, sampling also holds while a group in flight would pass the threshold by the next step.
+        ``refill(missing)`` is called when dropped groups left fewer groups than ``batch_size`` finished or in
+        flight (the trainer puts more prompts).
+
         Raises whatever ``liveness_check`` raises, or TimeoutError after ``timeout_s``.
-        ``global_step`` is the trainer's current step (for messages now, staleness checks later).
+        ``global_step`` is the trainer's current step (for messages).
         """
         if batch_size <= 0 or group_size <= 0:
             raise ValueError(f"batch_size={batch_size} and group_size={group_size} must be > 0")
         start = last_log = time.monotonic()
+        dropped, worst = 0, None
         while True:
             if self.liveness_check is not None:
                 self.liveness_check()
             census = _census(list_rows(self.partition), group_size)
-            if len(census.ready) >= batch_size:
-                return self._take(census, batch_size)
+            holding = False
+            if staleness_rule is not None:
+                rule = staleness_rule
+                stale = [
+                    uid
+                    for _, uid in census.ready
+                    if uid in census.versions and rule.staleness(census.versions[uid]) > rule.threshold
+                ]
+                for uid in stale:
+                    dropped += len(census.trajectories.get(uid, ()))
+                seen = [rule.staleness(census.versions[u]) for _, u in census.ready if u in census.versions]
+                worst = max([*seen, *([worst] if worst is not None else [])], default=None)
+                if stale:
+                    clear(self.partition, [*stale, *(k for uid in stale for k in census.trajectories.get(uid, ()))])
+                    logger.info("ReplayBuffer(%s) step %d dropped %d over-stale groups", self.partition, global_step, len(stale))
+                    census = _census(list_rows(self.partition), group_size)
+                if rule.strategy == "wait":
+                    holding = any(
+                        uid in census.versions
+                        and rule.staleness(census.versions[uid]) + rule.next_step_increment > rule.threshold
+                        for uid in census.in_flight
+                    )
+                short = batch_size - len(census.ready) - len(census.in_flight)
+                if short > 0 and refill is not None:
+                    refill(short)
+                    continue
+            if len(census.ready) >= batch_size and not holding:
+                return self._take(census, batch_size, dropped, worst)
             now = time.monotonic()
             if now - start >= self.timeout_s:
                 raise TimeoutError(
@@ -137,10 +217,18 @@ class ReplayBuffer:
                 last_log = now
             time.sleep(self.poll_interval)
 
-    def _take(self, census: _GroupCensus, batch_size: int) -> SampledBatch:
+    def _take(self, census: _GroupCensus, batch_size: int, dropped: int = 0, worst: float | None = None) -> SampledBatch:
         picked = [uid for _, uid in census.ready[:batch_size]]
         # Only the prompt rows: the trainer clears trajectory rows once the step is done with them.
         clear(self.partition, picked)
         keys = sorted(k for uid in picked for k in census.trajectories.get(uid, ()))
         failed = {uid: census.failed[uid] for uid in picked if uid in census.failed}
-        return SampledBatch(prompt_uids=picked, trajectory_keys=keys, failed_uids=failed)
+        versions = {uid: census.versions[uid] for uid in picked if uid in census.versions}
+        return SampledBatch(
+            prompt_uids=picked,
+            trajectory_keys=keys,
+            failed_uids=failed,
+            versions=versions,
+            dropped_samples=dropped,
+            worst_staleness=worst,
+        )

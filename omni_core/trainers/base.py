@@ -39,7 +39,7 @@ from omni_core.data.prompts import PromptRecord
 from omni_core.faults import is_out_of_memory, out_of_memory_error
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
-from omni_core.resources import resource_plan
+from omni_core.resources import resource_plan, rollout_worker_count, standalone_rollout
 from omni_core.rewards.failures import check_failure_share
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
@@ -144,9 +144,10 @@ class PolicyGradientDiffusionTrainerV1:
         options = [actor_options(pool, slot, plan) for slot in plan.training]
         # get_if_exists (in `create`): actors of this run started by another handle are reused instead of failing
         # on "name already taken".
-        self.ranks = TrainingRanks.create(
-            self.config, names, plan, options, self.total_training_steps, cpu_threads(len(plan.training))
-        )
+        # separate_async: the rollout workers keep sampling while the ranks train, so the ranks get the other cores.
+        busy_elsewhere = len(plan.rollout) * ROLLOUT_WORKER_THREADS if standalone_rollout(self.config) else 0
+        threads = max(1, ((os.cpu_count() or 1) - busy_elsewhere) // len(plan.training))
+        self.ranks = TrainingRanks.create(self.config, names, plan, options, self.total_training_steps, threads)
         self.actor = self.ranks.leader
 
     def _load_checkpoint(self) -> None:
@@ -192,7 +193,7 @@ class PolicyGradientDiffusionTrainerV1:
         names, t = self.run.names, self.config.trainer
         self.ranks = TrainingRanks.attach(names, t.n_gpus_per_node * t.nnodes, self.config.actor_rollout_ref.actor.strategy)
         self.actor = self.ranks.leader
-        self.agent_loop = AgentLoopManager.attach(names, self.config.actor_rollout_ref.rollout.agent.num_workers)
+        self.agent_loop = AgentLoopManager.attach(names, rollout_worker_count(self.config))
         tqc.attach()
 
     def close(self) -> None:
@@ -329,6 +330,7 @@ class PolicyGradientDiffusionTrainerV1:
                         raise out_of_memory_error(self.config, exc, f"step {self.global_step}") from exc
                     raise
                 result.step_metrics.append(metrics)
+            self._end_of_epoch()
             result.checkpoint = self._save_checkpoint()
             if self.global_step >= self.total_training_steps:
                 self.on_train_end()
@@ -346,13 +348,9 @@ class PolicyGradientDiffusionTrainerV1:
         t = self.config.trainer
         self.on_step_begin()
         with timer("step"):
-            params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
-            request = RolloutRequest.of_records(
-                self.run.train_partition, step, params, self.dataloader.next_batch(), uid_prefix=f"{step:06d}"
-            )
             with timer("gen"):
                 self.on_sample_begin()
-                batch = self._rollout(request, self.config.data.gen_batch_size)
+                batch = self._sample_training_batch(step)
                 self.on_sample_end()
             keys = batch.trajectory_keys
             rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
@@ -390,12 +388,27 @@ class PolicyGradientDiffusionTrainerV1:
                     metrics.update(self._validate())
             tqc.clear(self.run.train_partition, keys)
         metrics.update(timing_metrics(timer.timing, len(keys)))
+        metrics.update(self._sampling_metrics(batch, timer.timing))
         metrics["training/global_step"] = float(step)
         self._drain_worker_logs()
         self.tracking.log(metrics, step=step)
         if self.step_callback is not None:
             self.step_callback(step, self.total_training_steps, metrics)
         return metrics
+
+    def _sample_training_batch(self, step: int) -> SampledBatch:
+        """sync: the step's prompts, sampled now with the current weights, as complete groups."""
+        assert self.dataloader is not None
+        params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
+        request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), f"{step:06d}")
+        return self._rollout(request, self.config.data.gen_batch_size)
+
+    def _sampling_metrics(self, batch: SampledBatch, timing: dict[str, float]) -> dict[str, float]:
+        """Metrics of how the step's batch was sampled (separate_async: staleness and idle shares)."""
+        return {}
+
+    def _end_of_epoch(self) -> None:
+        """Before the epoch's checkpoint (separate_async: no rollout left in flight)."""
 
     def _rollout(self, request: RolloutRequest, chunk_size: int | None = None) -> SampledBatch:
         """Put the request's prompts, dispatch them (in chunks of `chunk_size` prompts when given), and wait
@@ -428,6 +441,7 @@ class PolicyGradientDiffusionTrainerV1:
         request = RolloutRequest.of_records(
             self.run.val_partition, self.global_step, params, self.val_records, uid_prefix=f"val-{self.global_step:06d}"
         )
+        request = self._with_validation_weights(request)
         batch = self._rollout(request, self.config.data.val_batch_size)
         rows = tqc.get_trajectories(
             self.run.val_partition,
@@ -445,6 +459,10 @@ class PolicyGradientDiffusionTrainerV1:
         self.on_validate_end()
         self._drain_worker_logs()
         return metrics
+
+    def _with_validation_weights(self, request: RolloutRequest) -> RolloutRequest:
+        """sync: the workers hold the current weights already."""
+        return request
 
     def _save_val_grid(self, rows: dict[str, Any], n: int, metrics: dict[str, float]) -> None:
         """`<checkpoint_dir>/validation/global_step_<N>.png`, next to the checkpoint of that step."""

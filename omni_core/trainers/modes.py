@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
-from omni_core.trainers.registry import SEPARATE_ASYNC_NOT_IMPLEMENTED, register_diffusion_trainer
+from omni_core.trainers.registry import register_diffusion_trainer
+from omni_core.trainers.separate_async import PolicyGradientDiffusionTrainerV1SeparateAsync
+
+__all__ = ["PolicyGradientDiffusionTrainerV1Sync", "PolicyGradientDiffusionTrainerV1SeparateAsync"]
 
 
 @register_diffusion_trainer("sync")
@@ -14,16 +17,3 @@ class PolicyGradientDiffusionTrainerV1Sync(PolicyGradientDiffusionTrainerV1):
 
     def on_step_end(self) -> None:
         self._push_weights()
-
-
-@register_diffusion_trainer("separate_async")
-class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrainerV1):
-    """Standalone rollout workers, weights pushed every `parameter_sync_step` steps, bounded staleness.
-
-    Not implemented yet: it refuses to start rather than run sync under another name.
-    """
-
-    mode = "separate_async"
-
-    def init(self, *args, **kwargs) -> None:
-        raise NotImplementedError(SEPARATE_ASYNC_NOT_IMPLEMENTED)

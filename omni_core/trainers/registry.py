@@ -17,11 +17,6 @@ DIFFUSION_TRAINER_REGISTRY: dict[str, type] = {}
 # diffusers), so that `validate_config` stays fast and light.
 BUILTIN_MODES = ("separate_async", "sync")
 
-SEPARATE_ASYNC_NOT_IMPLEMENTED = (
-    "trainer.v1.trainer_mode=separate_async is registered but its rollout pool and staleness control are not "
-    "implemented yet in OmniFlow; use trainer.v1.trainer_mode=sync"
-)
-
 
 def register_diffusion_trainer(name: str) -> Callable[[T], T]:
     """Class decorator: register a trainer class under the mode name users type."""

@@ -22,14 +22,14 @@ def config_value(config: Any, path: str) -> Any:
 
 
 @cache
-def _defaults() -> OmniFlowConfig:
+def default_config() -> OmniFlowConfig:
     return OmniFlowConfig()
 
 
 def refused_value_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     p: list[ConfigProblem] = []
     for key, reason in REFUSED_WHEN_NOT_DEFAULT.items():
-        value, default = config_value(config, key), config_value(_defaults(), key)
+        value, default = config_value(config, key), config_value(default_config(), key)
         if value != default:
             shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
             p.append(ConfigProblem(key, f"not supported by OmniFlow (only {shown} is implemented): {reason}", value))

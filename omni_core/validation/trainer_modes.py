@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.trainers.registry import SEPARATE_ASYNC_NOT_IMPLEMENTED, registered_modes
+from omni_core.config.unsupported import REFUSED_WHEN_NOT_DEFAULT
+from omni_core.trainers.registry import registered_modes
+
+# What only separate_async reads: set in sync mode they would be accepted and ignored.
+ASYNC_ONLY_KEYS = (
+    "actor_rollout_ref.rollout.nnodes",
+    "trainer.v1.separate_async.num_warmup_batches",
+    "trainer.v1.separate_async.parameter_sync_step",
+    "trainer.v1.sampler.max_off_policy_threshold",
+    "trainer.v1.sampler.max_off_policy_strategy",
+)
 
 
 def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
@@ -16,12 +26,34 @@ def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         p.append(ConfigProblem("trainer.v1.trainer_mode", f"unknown trainer mode; available: {', '.join(modes)}", mode))
     if mode == "separate_async":
         p.extend(_separate_async_problems(config))
+    elif mode == "sync":
+        p.extend(_async_keys_in_sync(config))
+    return p
+
+
+def _async_keys_in_sync(config: OmniFlowConfig) -> list[ConfigProblem]:
+    from omni_core.validation.refused import config_value, default_config
+
+    p = []
+    for key in ASYNC_ONLY_KEYS:
+        assert key not in REFUSED_WHEN_NOT_DEFAULT
+        value = config_value(config, key)
+        if value != config_value(default_config(), key):
+            p.append(
+                ConfigProblem(
+                    key,
+                    "only trainer.v1.trainer_mode=separate_async uses it (sync mode samples every step with the current "
+                    "weights on the training devices: on-policy, no standalone pool); set the mode or remove the key",
+                    value,
+                )
+            )
     return p
 
 
 def _separate_async_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
-    p = [ConfigProblem("trainer.v1.trainer_mode", SEPARATE_ASYNC_NOT_IMPLEMENTED.split("; ")[0] + "; use sync", "separate_async")]
-    sa = config.trainer.v1.separate_async
+    """verl-omni's asserts for the mode plus what OmniFlow's version of it needs."""
+    p: list[ConfigProblem] = []
+    sa, sampler = config.trainer.v1.separate_async, config.trainer.v1.sampler
     tbs, mbs = config.data.train_batch_size, config.actor_rollout_ref.actor.ppo_mini_batch_size
     rollout = config.actor_rollout_ref.rollout
     if tbs % sa.parameter_sync_step:
@@ -40,12 +72,57 @@ def _separate_async_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 mbs,
             )
         )
-    if rollout.nnodes <= 0:
+    if rollout.nnodes <= 0 or rollout.n_gpus_per_node <= 0:
+        key, value = (
+            ("actor_rollout_ref.rollout.nnodes", rollout.nnodes)
+            if rollout.nnodes <= 0
+            else (
+                "actor_rollout_ref.rollout.n_gpus_per_node",
+                rollout.n_gpus_per_node,
+            )
+        )
         p.append(
             ConfigProblem(
-                "actor_rollout_ref.rollout.nnodes",
-                "separate_async needs a standalone rollout pool; set actor_rollout_ref.rollout.nnodes >= 1",
-                rollout.nnodes,
+                key,
+                "separate_async samples on a standalone rollout pool of actor_rollout_ref.rollout.nnodes x n_gpus_per_node "
+                "devices (on cpu: worker processes); set both >= 1, e.g. actor_rollout_ref.rollout.nnodes=1",
+                value,
+            )
+        )
+    pool = max(0, rollout.nnodes) * max(0, rollout.n_gpus_per_node)
+    if pool and rollout.agent.num_workers not in (1, pool):
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.agent.num_workers",
+                f"separate_async runs one rollout worker per device of the standalone pool (rollout.nnodes x "
+                f"n_gpus_per_node = {pool}); leave num_workers at 1 or set it to {pool}",
+                rollout.agent.num_workers,
+            )
+        )
+    # Requests are put num_warmup_batches steps ahead, with the weights of the last sync: the schedule alone makes
+    # groups up to (warmup + sync - 1) / sync versions stale (omni_core.rollout.staleness).
+    worst = (sa.num_warmup_batches + sa.parameter_sync_step - 1) / sa.parameter_sync_step
+    bypass = config.algorithm.rollout_correction.bypass_mode
+    if worst > 0 and (not bypass or not rollout.calculate_log_probs):
+        p.append(
+            ConfigProblem(
+                "algorithm.rollout_correction.bypass_mode",
+                f"this schedule trains samples up to {worst:g} model versions stale, each against the log-probs of the weights "
+                "that sampled it (the importance ratio); recomputing them with the current weights would hide that. Set "
+                "algorithm.rollout_correction.bypass_mode=true with actor_rollout_ref.rollout.calculate_log_probs=true (or "
+                "train on-policy: num_warmup_batches=0, parameter_sync_step=1)",
+                bypass,
+            )
+        )
+    if sampler.max_off_policy_threshold < worst:
+        p.append(
+            ConfigProblem(
+                "trainer.v1.sampler.max_off_policy_threshold",
+                f"below the staleness the schedule itself produces: groups are put num_warmup_batches="
+                f"{sa.num_warmup_batches} steps ahead with weights synced every parameter_sync_step={sa.parameter_sync_step} "
+                f"steps, so they reach {worst:g} model versions and would all be dropped (or waited for forever); set "
+                f"it >= {worst:g} or lower num_warmup_batches / parameter_sync_step",
+                sampler.max_off_policy_threshold,
             )
         )
     return p

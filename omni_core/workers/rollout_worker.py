@@ -108,6 +108,11 @@ class RolloutWorker:
         start = time.perf_counter()
         partition, params, items = request.partition, request.params, request.items
         uids = request.uids
+        if request.weights_version is not None and request.weights_version != self.version:
+            # separate_async: the request names the weights it is sampled with (a ref fetched once per version).
+            import ray
+
+            self.set_weights(ray.get(request.weights), request.weights_version)
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
         records = [it.record for it in items]
         try:
