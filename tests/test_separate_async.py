@@ -24,6 +24,7 @@ ASYNC = [
     "algorithm.rollout_correction.bypass_mode=true",
     "data.train_batch_size=1",
     "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "trainer.save_freq=1",  # a checkpoint inside each epoch too, while the next step's batch is queued
 ]
 
 
@@ -70,6 +71,18 @@ def test_an_async_run_trains_each_step_at_the_staleness_its_schedule_gives(async
         assert 0.0 <= r["perf/idle_share/training"] <= 1.0 and 0.0 <= r["perf/idle_share/rollout"] <= 1.0
     # Bypass: the first ratio of an on-policy step is exactly 1; a stale step's is the importance weight.
     assert records[0]["actor/ratio_mean"] == 1.0 and records[1]["actor/ratio_mean"] != 1.0
+
+
+def test_a_checkpoint_inside_an_epoch_resumes_at_the_first_batch_not_trained(async_runs):
+    """Step 3's checkpoint is written while step 4's batch is queued (drawn from the loader already): it saves
+    the loader's state before that batch (epoch 1, position 1), so a run resumed from it puts those prompts
+    again instead of skipping them. The epoch-end checkpoint (step 4) has nothing queued: epoch 2, position 0."""
+    from omni_core.checkpoint import read_state
+
+    _, ckpt = async_runs[1]
+    inside, end = (read_state(ckpt / f"global_step_{s}", "dataloader") for s in (3, 4))
+    assert (inside["epoch"], inside["position"]) == (1, 1), inside
+    assert (end["epoch"], end["position"]) == (2, 0), end
 
 
 def test_two_rollout_workers_sample_what_one_does(async_runs):

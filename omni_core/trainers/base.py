@@ -274,8 +274,7 @@ class PolicyGradientDiffusionTrainerV1:
         assert self.ranks is not None
         with ckpt.CheckpointWriter(root, self.global_step) as writer:
             self.ranks.save(str(writer.tmp), ACTOR_CALL_TIMEOUT_S)
-            assert self.dataloader is not None
-            writer.write_state("dataloader", self.dataloader.state_dict())
+            writer.write_state("dataloader", self._dataloader_state_to_save())
             writer.write_state("controller", {"global_step": self.global_step, "run_id": self.run.run_id})
             writer.write_state("rng", ckpt.capture_rng_state())
             writer.write_config(to_yaml(self.config))
@@ -406,6 +405,11 @@ class PolicyGradientDiffusionTrainerV1:
     def _sampling_metrics(self, batch: SampledBatch, timing: dict[str, float]) -> dict[str, float]:
         """Metrics of how the step's batch was sampled (separate_async: staleness and idle shares)."""
         return {}
+
+    def _dataloader_state_to_save(self) -> dict[str, Any]:
+        """Where a run resumed from this checkpoint takes its next prompts (sync: the next step's batch)."""
+        assert self.dataloader is not None
+        return self.dataloader.state_dict()
 
     def _end_of_epoch(self) -> None:
         """Before the epoch's checkpoint (separate_async: no rollout left in flight)."""

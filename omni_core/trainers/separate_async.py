@@ -49,6 +49,9 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         self._next_feed = 0  # the step whose prompt batch is put next
         self._refills = 0
         self._busy_at_step_start = 0.0
+        # The dataloader's state before each batch put ahead was drawn, by the step it is for: a checkpoint saves
+        # the one of the first batch not trained yet, so a resumed run puts those prompts again (never skips them).
+        self._state_before: dict[int, dict[str, Any]] = {}
 
     @property
     def _async(self) -> Any:
@@ -81,6 +84,7 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         to the workers."""
         assert self.dataloader is not None and self.agent_loop is not None and self._weights is not None
         weights, version = self._weights
+        self._state_before.setdefault(step, self.dataloader.state_dict())
         params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
         request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), uid_prefix)
         request = replace(request, weights_version=version, weights=weights)
@@ -137,6 +141,16 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
             metrics["perf/idle_share/training"] = min(1.0, timing.get("gen", 0.0) / step_s)
             metrics["perf/idle_share/rollout"] = max(0.0, 1.0 - busy / (workers * step_s))
         return metrics
+
+    def _dataloader_state_to_save(self) -> dict[str, Any]:
+        """A checkpoint inside an epoch (`trainer.save_freq`) while batches of later steps are queued: the state
+        before the first of them, so a run resumed from it puts their prompts again, sampled with its weights
+        (pending, running or finished alike: the TransferQueue does not outlive the run). At an epoch's end
+        nothing is queued and this is the dataloader's own state."""
+        assert self.dataloader is not None
+        queued = sorted(step for step in self._state_before if step > self.global_step)
+        self._state_before = {step: state for step, state in self._state_before.items() if step > self.global_step}
+        return self._state_before[queued[0]] if queued else self.dataloader.state_dict()
 
     def _end_of_epoch(self) -> None:
         """Drain: wait for every request in flight, then clear what no step took (refills beyond the need)."""
