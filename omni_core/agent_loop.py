@@ -34,6 +34,7 @@ class AgentLoopManager:
         self.workers = workers
         self.names = names
         self._inflight: list[ray.ObjectRef] = []
+        self._worker_of: dict[ray.ObjectRef, int] = {}  # in-flight request -> index of the worker running it
         self._logs: list[LogLine] = []
         self.busy_seconds = 0.0  # sampling time of the requests that finished so far (their workers' own clocks)
         # The last weights pushed (an ObjectRef or a state dict) and their version: a worker that Ray restarted
@@ -76,15 +77,37 @@ class AgentLoopManager:
         """Dispatch the request (non-blocking): one contiguous part per worker, or chunks of at most
         `chunk_size` prompts dealt round-robin (`data.gen_batch_size` / `data.val_batch_size`)."""
         self._resync_restarted_workers()
-        for worker, calls in zip(self.workers, request.assign(len(self.workers), chunk_size), strict=True):
-            self._inflight.extend(worker.generate.remote(part) for part in calls)
+        for i, (worker, calls) in enumerate(zip(self.workers, request.assign(len(self.workers), chunk_size), strict=True)):
+            for part in calls:
+                ref = worker.generate.remote(part)
+                self._inflight.append(ref)
+                self._worker_of[ref] = i
+
+    def queue_to_least_busy(self, request: RolloutRequest, chunk_size: int) -> None:
+        """Dispatch the request (non-blocking) in chunks of `chunk_size` prompts, each to the worker with the
+        fewest requests still queued or running (separate_async: a worker takes the next group once it is free;
+        the result does not depend on which worker samples a chunk, since the request names its weights)."""
+        self._resync_restarted_workers()
+        for part in request.chunks(chunk_size):
+            self._collect_finished()
+            load = [0] * len(self.workers)
+            for ref in self._inflight:
+                load[self._worker_of[ref]] += 1
+            i = min(range(len(self.workers)), key=lambda w: (load[w], w))
+            ref = self.workers[i].generate.remote(part)
+            self._inflight.append(ref)
+            self._worker_of[ref] = i
 
     def check_alive(self) -> None:
         """Raise if a dispatched request failed (worker died or raised); collect finished results' logs."""
+        self._collect_finished()
+
+    def _collect_finished(self) -> None:
         if not self._inflight:
             return
         done, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
         for ref in done:
+            self._worker_of.pop(ref, None)
             result = ray.get(ref)  # re-raises the worker's exception with its traceback
             self._logs.extend(result.logs)
             self.busy_seconds += result.seconds

@@ -89,3 +89,65 @@ def test_two_rollout_workers_sample_what_one_does(async_runs):
     one, two = (final_weights(async_runs[w][1]) for w in (1, 2))
     assert_same_weights(two, one)
     assert [r["training/off_policy/trajectory_staleness/max"] for r in _step_records(async_runs[2][1])] == [0.0, 1.0, 0.0, 1.0]
+
+
+SLOW_REWARD = """
+import time
+
+def compute_score(data_source, solution_image, ground_truth=None, extra_info=None):
+    if ground_truth == "slow":
+        time.sleep(2.0)  # per sample: this prompt's group of 4 takes 8 s to score
+    return float(solution_image.float().mean() / 255) if hasattr(solution_image, "float") else 0.5
+"""
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_a_slow_prompt_group_is_dropped_or_waited_for(
+    strategy, flow_overrides, tmp_path, prefect_api, ray_cluster, transfer_queue
+):
+    """Two rollout workers, 4 prompts, one of whose rewards takes 8 s per group (a custom reward that sleeps),
+    threshold 1 version. The fast worker keeps the trainer going with the next groups, so the slow group is
+    2 versions stale by the time it is scored. `drop`: it is cleared and counted (4 samples) and one more
+    prompt batch is put; `wait`: sampling holds for it while it is still 1 version stale, so nothing is dropped
+    and that step waits. Either way no trained trajectory is over the threshold."""
+    import json
+
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": p, "reward_model": {"ground_truth": gt}}
+        for p, gt in [("a red circle", "fast"), ("a blue square", "fast"), ("a green dot", "slow"), ("a pink star", "fast")]
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD)
+    ckpt = tmp_path / "ckpt"
+    overrides = [
+        *flow_overrides,
+        *[o for o in ASYNC if not o.startswith("trainer.save_freq")],
+        "actor_rollout_ref.rollout.n_gpus_per_node=2",
+        f"data.train_files={prompts}",
+        "data.shuffle=false",
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.total_epochs=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
+        f"trainer.default_local_dir={ckpt}",
+        f"trainer.experiment_name=slow-{strategy}",
+    ]
+    state = main_diffusion_v1(overrides=overrides, return_state=True)
+    assert state.is_completed(), state.message
+    records = _step_records(ckpt)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["training/off_policy/trajectory_staleness/max"] <= 1.0 for r in records), records
+    dropped = [r["training/off_policy/dropped_samples"] for r in records]
+    if strategy == "drop":
+        assert sum(dropped) == 4.0, dropped  # the slow group, once
+        assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) == 2.0
+    else:
+        assert sum(dropped) == 0.0, dropped
+        assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) <= 1.0
+        assert max(r["timing_s/gen"] for r in records) > 4.0  # the step that waited for the slow group

@@ -3,9 +3,9 @@
 verl-omni's `trainer_separate_async.py`, on OmniFlow's pieces. The rollout workers have their own devices
 (`actor_rollout_ref.rollout.nnodes x n_gpus_per_node`; placement in `omni_core.resources`). The controller
 keeps `trainer.v1.separate_async.num_warmup_batches` prompt batches ahead of training in the TransferQueue:
-at step `s` it puts the batches of steps up to `s + num_warmup_batches` and deals them to the workers one
-prompt group per call (`data.gen_batch_size` prompts when set), so each worker takes the next group once it
-is free. Each request carries the weights it is sampled with (an object-store ref and its version): every
+at step `s` it puts the batches of steps up to `s + num_warmup_batches` and queues each prompt group
+(`data.gen_batch_size` prompts when set) on the worker with the fewest requests queued or running, so the
+workers take the next groups as they free up. Each request carries the weights it is sampled with (an object-store ref and its version): every
 `parameter_sync_step` steps the trainer publishes its weights (LoRA: the adapter only), later requests name
 them, and a worker loads a version once, between requests, never inside one. The trainer samples complete
 groups from the replay buffer under `trainer.v1.sampler.max_off_policy_threshold` (`drop` / `wait`,
@@ -89,7 +89,7 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), uid_prefix)
         request = replace(request, weights_version=version, weights=weights)
         tqc.put_prompts(request.partition, request.uids, step, model_version=version)
-        self.agent_loop.generate_sequences(request, self.config.data.gen_batch_size or 1)
+        self.agent_loop.queue_to_least_busy(request, self.config.data.gen_batch_size or 1)
 
     def _refill(self, step: int) -> None:
         """Dropped groups left too few: one more prompt batch (the next prompts of the data order)."""
