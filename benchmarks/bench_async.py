@@ -21,6 +21,8 @@ local Ray cluster and TransferQueue as `make run` does.
 
 Measured per run, from its `metrics.jsonl` and a monitor thread (every `--sample-s`):
 - steady samples/s = samples of steps 2..N / the sum of their `timing_s/step`;
+- the same over the steps that are not the first of an epoch (separate_async drains its pipeline at each epoch
+  end, so an epoch's first step waits for a whole rollout);
 - window samples/s = the same samples / the wall time between the appearance of step 1's record and the last
   step's record in `metrics.jsonl` (includes epoch boundaries: checkpoint, the next `fit_epoch` task, the async
   pipeline's drain and refill, which step times leave out);
@@ -33,7 +35,8 @@ Measured per run, from its `metrics.jsonl` and a monitor thread (every `--sample
 Comparison: the ratio async / sync of both samples/s figures, `target_met` = steady ratio >= `--target`
 (computed, not asserted), and the reward: per-step paired differences async - sync (same prompts and noise
 seeds per step, so the difference comes from the weights only), their mean over steps 2..N with a standard
-error, `within_noise` = |mean| <= 2 standard errors, and each mode's reward gain (last K steps vs first K).
+error, `within_noise` = |mean| <= 2 standard errors, and each mode's reward gain from its first epoch's mean to its
+last (every epoch covers the same prompts; steps within an epoch do not).
 One run per mode (`"runs": 1` in the JSON): no run-to-run spread is measured.
 
 The machine must be quiet: before each run the script waits (bounded) for the 1-minute load average to fall
@@ -264,7 +267,18 @@ def _window(records: list[dict[str, Any]], steady_samples: float) -> dict[str, A
     return out
 
 
-def summarise(run: dict[str, Any], last_k: int) -> dict[str, Any]:
+def _without_epoch_starts(records: list[dict[str, Any]], steps_per_epoch: int) -> dict[str, Any]:
+    """samples/s over the steps that are not the first of an epoch: separate_async drains its pipeline at each
+    epoch end, so an epoch's first step waits for a whole rollout; the others show the pipelined rate."""
+    kept = [r for r in records if (r["step"] - 1) % steps_per_epoch]
+    seconds = sum(r[STEP_KEY] for r in kept)
+    return {
+        "steps": [r["step"] for r in kept],
+        "samples_per_s": sum(r[SAMPLES_KEY] for r in kept) / seconds if seconds > 0 else None,
+    }
+
+
+def summarise(run: dict[str, Any], last_k: int, steps_per_epoch: int) -> dict[str, Any]:
     """The figures of one run from its step records."""
     records = run["records"]
     later = records[1:]
@@ -299,6 +313,8 @@ def summarise(run: dict[str, Any], last_k: int) -> dict[str, Any]:
         }
     rewards = [r[REWARD_KEY] for r in records]
     k = min(last_k, len(rewards))
+    epochs = [rewards[i : i + steps_per_epoch] for i in range(0, len(rewards), steps_per_epoch)]
+    epoch_means = [sum(e) / len(e) for e in epochs if len(e) == steps_per_epoch]
     return {
         "command": run["command"],
         "returncode": run["returncode"],
@@ -314,6 +330,7 @@ def summarise(run: dict[str, Any], last_k: int) -> dict[str, Any]:
             "samples_per_s": steady_samples / steady_s if steady_s > 0 else None,
             "how": "samples of steps 2..N / sum of their timing_s/step",
         },
+        "without_epoch_first_steps": _without_epoch_starts(records, steps_per_epoch),
         "window": _window(records, steady_samples),
         "step_s": [round(r[STEP_KEY], 4) for r in records],
         "mean_timing_s_steps_2_to_n": timing,
@@ -321,7 +338,10 @@ def summarise(run: dict[str, Any], last_k: int) -> dict[str, Any]:
         "staleness": staleness,
         "reward_curve": curve,
         "reward_last_k": {"k": k, "mean": _mean(rewards[-k:]) if k else None},
-        "reward_gain_last_k_minus_first_k": (_mean(rewards[-k:]) - _mean(rewards[:k])) if k else None,
+        # Every epoch trains on the same prompt set (reshuffled), so epoch means compare like with like; the
+        # steps of one epoch have different prompts, which dominates step-to-step reward differences.
+        "reward_epoch_means": epoch_means,
+        "reward_gain_last_epoch_minus_first": epoch_means[-1] - epoch_means[0] if epoch_means else None,
         "process_labels_seen": run["process_labels_seen"],
         "processes_alive_after_exit": run["processes_alive_after_exit"],
     }
@@ -342,8 +362,10 @@ def compare(sync: dict[str, Any], other: dict[str, Any], target: float, last_k: 
     mean_diff = _mean(later)
     se = statistics.stdev(later) / math.sqrt(len(later)) if len(later) >= 2 else None
     k = min(last_k, len(diffs))
+    pipelined = [m["without_epoch_first_steps"]["samples_per_s"] for m in (other, sync)]
     return {
         "steady_samples_per_s_async_over_sync": steady,
+        "without_epoch_first_steps_async_over_sync": pipelined[0] / pipelined[1] if all(pipelined) else None,
         "window_samples_per_s_async_over_sync": window,
         "target": target,
         "target_met": steady >= target,
@@ -356,8 +378,8 @@ def compare(sync: dict[str, Any], other: dict[str, Any], target: float, last_k: 
             "standard_error": se,
             "within_noise": None if se is None or mean_diff is None else abs(mean_diff) <= 2 * se,
             "mean_diff_last_k": _mean(diffs[-k:]) if k else None,
-            "sync_gain_last_k_minus_first_k": sync["reward_gain_last_k_minus_first_k"],
-            "async_gain_last_k_minus_first_k": other["reward_gain_last_k_minus_first_k"],
+            "sync_gain_last_epoch_minus_first": sync["reward_gain_last_epoch_minus_first"],
+            "async_gain_last_epoch_minus_first": other["reward_gain_last_epoch_minus_first"],
             "how": (
                 "same prompts and per-sample noise seeds per step in both modes (same seed), so step k's reward "
                 "difference comes from the weights only (step 1: identical weights, difference 0). within_noise: "
@@ -430,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_async: {name} failed (rc {run['returncode']}); log in {tmp / name / 'run.log'}", file=sys.stderr)
                 args.keep_tmp = True
                 return 1
-            runs[name] = summarise(run, args.last_k)
+            runs[name] = summarise(run, args.last_k, max(1, len(run["records"]) // args.epochs))
             s = runs[name]
             print(
                 f"bench_async: {name}: {s['steps']} steps in {s['wall_s']:.0f} s, steady {s['steady']['samples_per_s']:.3f} samples/s",

@@ -24,9 +24,9 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def kill_when(ckpt, name_part: str, class_name: str, killed: list[int], timeout_s: float = 400) -> None:
-    """Once `ckpt/global_step_1` is complete, SIGKILL the live actor of class `class_name` whose name holds
-    `name_part` (pid from Ray's state API)."""
+def kill_when(ckpt, name_part: str, class_name: str, killed: list[int], timeout_s: float = 400, after_step: int = 1) -> None:
+    """Once `ckpt/global_step_<after_step>` is complete, SIGKILL the live actor of class `class_name` whose name
+    holds `name_part` (pid from Ray's state API)."""
     import signal
     import time
 
@@ -34,7 +34,7 @@ def kill_when(ckpt, name_part: str, class_name: str, killed: list[int], timeout_
     from ray.util.state import list_actors
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not (ckpt / "global_step_1" / "manifest.json").exists():
+    while time.monotonic() < deadline and not (ckpt / f"global_step_{after_step}" / "manifest.json").exists():
         time.sleep(0.2)
     actors = list_actors(
         address=ray.get_runtime_context().gcs_address,

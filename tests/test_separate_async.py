@@ -4,8 +4,10 @@ The lean config with one prompt per step (2 steps per epoch, 2 epochs), one warm
 every step and a threshold of 1 model version: the rollout of step k+1 runs while step k trains, with the
 weights of step k-1. Each epoch starts from a weight sync at its checkpoint, so the staleness of the steps'
 trajectories is exactly 0, 1, 0, 1 (read from each trajectory's `model_version` tag by the replay buffer, and
-checked here against that schedule). Requests carry their weights, so two rollout workers sample exactly
-what one does: the two runs end with the same weights, bit for bit.
+checked here against that schedule). With one rollout worker the groups are trained in the order they were
+put and each request names its weights, so the run is deterministic: a second run whose worker is killed
+mid-run ends with the same weights, bit for bit. (With several workers the replay buffer trains the oldest
+groups that are ready, and which are ready first depends on timing: such runs are not bit-reproducible.)
 """
 
 from __future__ import annotations
@@ -30,22 +32,34 @@ ASYNC = [
 
 @pytest.fixture(scope="module")
 def async_runs(flow_overrides, prefect_api, ray_cluster, transfer_queue, tmp_path_factory):
-    """{workers: (final state, checkpoint dir)} for 1 and 2 standalone rollout workers."""
+    """{"clean": ..., "killed": ...}: (final state, checkpoint dir, killed pids) of two runs of the same config with
+    one standalone rollout worker. The second loses that worker (SIGKILL, pid from Ray's state API) once epoch 1
+    is saved, and writes checkpoints at epoch ends only (its retried epoch starts from one, as the clean run's
+    epoch 2 did; the clean run's extra checkpoints inside epochs do not change what it trains)."""
+    import threading
+
+    from flow_utils import kill_when
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     runs = {}
-    for workers in (1, 2):
-        ckpt = tmp_path_factory.mktemp(f"async{workers}") / "ckpt"
+    for name in ("clean", "killed"):
+        ckpt = tmp_path_factory.mktemp(f"async-{name}") / "ckpt"
         overrides = [
             *flow_overrides,
-            *ASYNC,
-            f"actor_rollout_ref.rollout.n_gpus_per_node={workers}",
+            *(ASYNC if name == "clean" else [o for o in ASYNC if not o.startswith("trainer.save_freq")]),
             f"trainer.default_local_dir={ckpt}",
-            f"trainer.experiment_name=async{workers}",
+            f"trainer.experiment_name=async-{name}",
         ]
+        killed: list[int] = []
+        if name == "killed":
+            args = (ckpt, "async-killed-", "RolloutWorker", killed)
+            watcher = threading.Thread(target=kill_when, args=args, kwargs={"after_step": 2}, daemon=True)
+            watcher.start()
         state = main_diffusion_v1(overrides=overrides, return_state=True)
         assert state.is_completed(), state.message
-        runs[workers] = (state, ckpt)
+        if name == "killed":
+            watcher.join(timeout=60)
+        runs[name] = (state, ckpt, killed)
     return runs
 
 
@@ -57,7 +71,7 @@ def _step_records(ckpt) -> list[dict]:
 
 
 def test_an_async_run_trains_each_step_at_the_staleness_its_schedule_gives(async_runs):
-    state, ckpt = async_runs[1]
+    state, ckpt, _ = async_runs["clean"]
     assert state.result().global_step == 4
     records = _step_records(ckpt)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -79,16 +93,30 @@ def test_a_checkpoint_inside_an_epoch_resumes_at_the_first_batch_not_trained(asy
     again instead of skipping them. The epoch-end checkpoint (step 4) has nothing queued: epoch 2, position 0."""
     from omni_core.checkpoint import read_state
 
-    _, ckpt = async_runs[1]
+    _, ckpt, _ = async_runs["clean"]
     inside, end = (read_state(ckpt / f"global_step_{s}", "dataloader") for s in (3, 4))
     assert (inside["epoch"], inside["position"]) == (1, 1), inside
     assert (end["epoch"], end["position"]) == (2, 0), end
 
 
-def test_two_rollout_workers_sample_what_one_does(async_runs):
-    one, two = (final_weights(async_runs[w][1]) for w in (1, 2))
-    assert_same_weights(two, one)
-    assert [r["training/off_policy/trajectory_staleness/max"] for r in _step_records(async_runs[2][1])] == [0.0, 1.0, 0.0, 1.0]
+def test_the_schedule_is_deterministic_and_a_killed_rollout_worker_changes_nothing(async_runs):
+    """The rollout worker of the second run is SIGKILLed as epoch 2 starts: its request fails, the epoch is retried
+    from its checkpoint on the worker Ray restarted, and the run ends bit-identical to the clean run (no prompt
+    trained twice: a retried epoch starts again from its checkpoint's weights and loader position, and each
+    request names the weights it is sampled with)."""
+    import ray
+    from ray.util.state import list_actors
+
+    state, ckpt, killed = async_runs["killed"]
+    assert killed, "the rollout worker was not found to kill"
+    assert_same_weights(final_weights(ckpt), final_weights(async_runs["clean"][1]))
+    assert [r["training/off_policy/trajectory_staleness/max"] for r in _step_records(ckpt)] == [0.0, 1.0, 0.0, 1.0]
+    (worker,) = list_actors(
+        address=ray.get_runtime_context().gcs_address,
+        filters=[("name", "=", f"omniflow-{state.result().run_id}-rollout-worker-0")],
+        detail=True,
+    )
+    assert worker.num_restarts == 1, worker
 
 
 SLOW_REWARD = """

@@ -14,8 +14,9 @@ groups from the replay buffer under `trainer.v1.sampler.max_off_policy_threshold
 policy that sampled it.
 
 Because a request's weights are fixed when it is put, not when a worker gets to it, which weights sample
-which prompt does not depend on timing or on the number of workers: with the same config the trajectories
-and the trained weights are the same run after run. At the end of an epoch the pipeline drains (the last
+which prompt does not depend on timing. With one rollout worker the groups also finish in the order they
+were put, so the run is deterministic (same config, same weights). With several, the replay buffer trains
+the oldest groups that are ready, and which are ready first depends on timing. At the end of an epoch the pipeline drains (the last
 batches fed are the epoch's own, and every request is waited for) so that a checkpoint holds no queued
 work and a resumed or retried epoch starts as the uninterrupted run did: from a weight sync at its
 checkpoint's weights.
