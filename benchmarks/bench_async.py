@@ -7,15 +7,16 @@ number of steps (so the same prompts per step and the same per-sample noise seed
 1. **sync** (`trainer.v1.trainer_mode=sync`): rollout, then training, taking turns on the 2 cores. By default
    `actor_rollout_ref.rollout.agent.num_workers=2` (two single-thread rollout workers), so that both cores work
    in each phase as the issue asks; the training actor gets `cores // ranks` = 2 threads
-   (`omni_core.trainers.base`). `--sync-rollout-workers 1 2` also runs the project's default of one worker.
+   (`omni_core.trainers.base`). `--sync-rollout-workers 2 1` also runs the project's default of one worker (compared too).
 2. **separate_async** (`trainer.v1.trainer_mode=separate_async actor_rollout_ref.rollout.nnodes=1`): one
    standalone single-thread rollout worker samples the next batch while the training actor (the other core)
    trains; `num_warmup_batches`, `parameter_sync_step`, `max_off_policy_threshold` default to 1.
 
 Shared by both: `algorithm.rollout_correction.bypass_mode=true` (required by separate_async; in sync the
 rollout's log-probs are the on-policy ones, so it only skips the recompute; `--sync-bypass false` recomputes),
-`data.train_batch_size == actor_rollout_ref.actor.ppo_mini_batch_size` (the project default, 2), no validation
-(`trainer.val_before_train=false trainer.test_freq=-1`), `trainer.logger=[console,file]`. Each subprocess has its
+`data.train_batch_size == actor_rollout_ref.actor.ppo_mini_batch_size` (the project default, 2),
+`trainer.logger=[console,file]`, and validation only before step 1 and after the last step (`--val-n` samples per
+held-out prompt, noise level 0; `--val-n 0` turns it off), kept out of the timing. Each subprocess has its
 own `PREFECT_HOME` (fresh) and no `PREFECT_API_URL` / `RAY_ADDRESS`, so it starts its embedded Prefect server, a
 local Ray cluster and TransferQueue as `make run` does.
 
@@ -30,7 +31,8 @@ Measured per run, from its `metrics.jsonl` and a monitor thread (every `--sample
   and processes outside it), from the processes' own CPU times: an independent check of the idle shares;
 - idle shares: async logs `perf/idle_share/{training,rollout}`; for sync they follow from the step timing
   (training waits during `gen`, the rollout is idle outside it);
-- staleness (async), and the reward curve per sample: per step `critic/rewards/mean` with cumulative samples.
+- staleness (async), and the reward curve per sample: per step `critic/rewards/mean` with cumulative samples;
+- the validation reward before and after training (the final weights on the same held-out prompts and seeds).
 
 Comparison: the ratio async / sync of both samples/s figures, `target_met` = steady ratio >= `--target`
 (computed, not asserted), and the reward: per-step paired differences async - sync (same prompts and noise
@@ -71,9 +73,24 @@ SCHEMA_VERSION = 1
 STEP_KEY, SAMPLES_KEY, REWARD_KEY = "timing_s/step", "perf/total_num_images", "critic/rewards/mean"
 STALENESS_KEY = "training/off_policy/trajectory_staleness"
 ASYNC_IDLE_KEYS = ("perf/idle_share/training", "perf/idle_share/rollout")
+TESTING_KEY, VAL_PREFIX = "timing_s/testing", "val-core/"
+VALIDATE_AT_THE_END_ONLY = 1_000_000  # trainer.test_freq: validation runs at multiples of it and at the last step
 
 
 # ------------------------------------------------------------------------------------------ the runs
+def validation_overrides(val_n: int) -> list[str]:
+    """Validation before the first step and after the last one only (`val_n` samples per held-out prompt);
+    none when `val_n` is 0. Both stay out of the timing: step 0's is before step 1, the last step's
+    `timing_s/testing` is subtracted."""
+    if val_n <= 0:
+        return ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+    return [
+        "trainer.val_before_train=true",
+        f"trainer.test_freq={VALIDATE_AT_THE_END_ONLY}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={val_n}",
+    ]
+
+
 def mode_overrides(mode: str, args: argparse.Namespace, sync_workers: int = 1) -> list[str]:
     """The overrides that make a run `mode` (shared ones are added by the caller)."""
     if mode == "sync":
@@ -203,14 +220,15 @@ def run_flow(name: str, overrides: list[str], workdir: Path, args: argparse.Name
         monitor.stop()
     leftovers = [p.pid for p in monitor.procs.values() if _alive(p)]
     jsonls = sorted((local_dir / "logs").glob("*/metrics.jsonl"))
-    lines = jsonls[-1].read_text().splitlines() if jsonls else []
-    records = []
-    for index, line in enumerate(lines):
-        if line.strip():
-            record = json.loads(line)
-            if STEP_KEY in record:  # a training step (validation-only records have no step time)
-                record["_stamp"] = monitor.stamps[index] if index < len(monitor.stamps) else None
-                records.append(record)
+    lines = [line for line in jsonls[-1].read_text().splitlines() if line.strip()] if jsonls else []
+    records, val_records = [], []
+    for index, line in enumerate(lines):  # the monitor stamps non-empty lines in the same order
+        record = json.loads(line)
+        if STEP_KEY in record:  # a training step (validation-only records have no step time)
+            record["_stamp"] = monitor.stamps[index] if index < len(monitor.stamps) else None
+            records.append(record)
+        else:
+            val_records.append(record)
     records.sort(key=lambda r: r["step"])
     return {
         "command": " ".join(["python", "-m", "omniflow.flows.main_diffusion_v1", *flow_overrides]),
@@ -219,6 +237,7 @@ def run_flow(name: str, overrides: list[str], workdir: Path, args: argparse.Name
         "loadavg_before": loadavg_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "records": records,
+        "val_records": val_records,
         "process_labels_seen": sorted(monitor.labels_seen),
         "processes_alive_after_exit": leftovers,
         "log_tail": log_path.read_text().splitlines()[-60:],
@@ -243,17 +262,27 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _window(records: list[dict[str, Any]], steady_samples: float) -> dict[str, Any]:
-    """Wall time and CPU per role between the records of step 1 and step N (by the monitor's stamps)."""
-    first, last = records[0].get("_stamp"), records[-1].get("_stamp")
+def _step_s(record: dict[str, Any]) -> float:
+    """A step's time without the validation it ran (`timing_s/testing`, the last step only here)."""
+    return record[STEP_KEY] - record.get(TESTING_KEY, 0.0)
+
+
+def _window(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Wall time and CPU per role between the records of step 1 and of the last step that ran no validation
+    (by the monitor's stamps)."""
+    last_index = max((i for i, r in enumerate(records) if TESTING_KEY not in r), default=0)
+    first, last = records[0].get("_stamp"), records[last_index].get("_stamp")
     if not first or not last or last["t_s"] <= first["t_s"]:
         return {"available": False}
     wall = last["t_s"] - first["t_s"]
+    samples = sum(r[SAMPLES_KEY] for r in records[1 : last_index + 1])
     cpu = {k: last["cpu_s_by_role"][k] - first["cpu_s_by_role"][k] for k in first["cpu_s_by_role"]}
     out: dict[str, Any] = {
         "available": True,
+        "steps": [r["step"] for r in records[1 : last_index + 1]],
         "first_to_last_record_wall_s": round(wall, 3),
-        "samples_per_s": steady_samples / wall,
+        "samples": samples,
+        "samples_per_s": samples / wall,
         "cores_busy": {role: round(seconds / wall, 3) for role, seconds in cpu.items()},
     }
     ticks0, ticks1 = first["machine_ticks"], last["machine_ticks"]
@@ -271,10 +300,26 @@ def _without_epoch_starts(records: list[dict[str, Any]], steps_per_epoch: int) -
     """samples/s over the steps that are not the first of an epoch: separate_async drains its pipeline at each
     epoch end, so an epoch's first step waits for a whole rollout; the others show the pipelined rate."""
     kept = [r for r in records if (r["step"] - 1) % steps_per_epoch]
-    seconds = sum(r[STEP_KEY] for r in kept)
+    seconds = sum(_step_s(r) for r in kept)
     return {
         "steps": [r["step"] for r in kept],
         "samples_per_s": sum(r[SAMPLES_KEY] for r in kept) / seconds if seconds > 0 else None,
+    }
+
+
+def _validation(val_records: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Validation rewards before training (step 0) and after the last step: the same held-out prompts and
+    noise seeds (noise level 0) in every run, so the gain compares what the two modes learned."""
+    before = next((r for r in val_records if r["step"] == 0), None)
+    after = records[-1] if records and TESTING_KEY in records[-1] else None
+    if before is None or after is None:
+        return None
+    keys = sorted(k for k in after if k.startswith(VAL_PREFIX) and "/reward/" in k)
+    return {
+        "before": {k: before.get(k) for k in keys},
+        "after": {k: after[k] for k in keys},
+        "gain": {k: after[k] - before[k] for k in keys if k in before},
+        "after_step": after["step"],
     }
 
 
@@ -283,7 +328,7 @@ def summarise(run: dict[str, Any], last_k: int, steps_per_epoch: int) -> dict[st
     records = run["records"]
     later = records[1:]
     steady_samples = sum(r[SAMPLES_KEY] for r in later)
-    steady_s = sum(r[STEP_KEY] for r in later)
+    steady_s = sum(_step_s(r) for r in later)
     cumulative, curve = 0.0, []
     for r in records:
         cumulative += r[SAMPLES_KEY]
@@ -295,13 +340,14 @@ def summarise(run: dict[str, Any], last_k: int, steps_per_epoch: int) -> dict[st
         k.removeprefix("timing_s/"): _mean([r[k] for r in later if k in r])
         for k in sorted({k for r in records for k in r if k.startswith("timing_s/")})
     }
-    if all(k in r for r in later for k in ASYNC_IDLE_KEYS):
-        idle = {k.rsplit("/", 1)[1]: _mean([r[k] for r in later]) for k in ASYNC_IDLE_KEYS}
-        idle_how = "mean over steps 2..N of the logged perf/idle_share/{training,rollout}"
+    plain = [r for r in later if TESTING_KEY not in r]  # the step that validates is left out of the shares
+    if all(k in r for r in plain for k in ASYNC_IDLE_KEYS):
+        idle = {k.rsplit("/", 1)[1]: _mean([r[k] for r in plain]) for k in ASYNC_IDLE_KEYS}
+        idle_how = "mean over steps 2..N without validation of the logged perf/idle_share/{training,rollout}"
     else:
-        gen_share = [r["timing_s/gen"] / r[STEP_KEY] for r in later if r[STEP_KEY] > 0]
+        gen_share = [r["timing_s/gen"] / r[STEP_KEY] for r in plain if r[STEP_KEY] > 0]
         idle = {"training": _mean(gen_share), "rollout": _mean([1.0 - s for s in gen_share])}
-        idle_how = "sync: training idle = timing_s/gen / timing_s/step, rollout idle = 1 - that (steps 2..N)"
+        idle_how = "sync: training idle = timing_s/gen / timing_s/step, rollout idle = 1 - that (steps 2..N without validation)"
     staleness = None
     if later and f"{STALENESS_KEY}/mean" in later[0]:
         staleness = {
@@ -328,11 +374,12 @@ def summarise(run: dict[str, Any], last_k: int, steps_per_epoch: int) -> dict[st
             "samples": steady_samples,
             "step_s_sum": round(steady_s, 4),
             "samples_per_s": steady_samples / steady_s if steady_s > 0 else None,
-            "how": "samples of steps 2..N / sum of their timing_s/step",
+            "how": "samples of steps 2..N / sum of their timing_s/step (minus timing_s/testing)",
         },
         "without_epoch_first_steps": _without_epoch_starts(records, steps_per_epoch),
-        "window": _window(records, steady_samples),
+        "window": _window(records),
         "step_s": [round(r[STEP_KEY], 4) for r in records],
+        "validation": _validation(run["val_records"], records),
         "mean_timing_s_steps_2_to_n": timing,
         "idle_share": {**idle, "how": idle_how},
         "staleness": staleness,
@@ -363,6 +410,16 @@ def compare(sync: dict[str, Any], other: dict[str, Any], target: float, last_k: 
     se = statistics.stdev(later) / math.sqrt(len(later)) if len(later) >= 2 else None
     k = min(last_k, len(diffs))
     pipelined = [m["without_epoch_first_steps"]["samples_per_s"] for m in (other, sync)]
+    val_s, val_a = sync["validation"], other["validation"]
+    validation = None
+    if val_s and val_a:
+        validation = {
+            "after_async_minus_sync": {key: val_a["after"][key] - val_s["after"][key] for key in val_s["after"]},
+            "before_equal": val_s["before"] == val_a["before"],
+            "gain_sync": val_s["gain"],
+            "gain_async": val_a["gain"],
+            "how": "held-out prompts at noise level 0, the same seeds in both runs, scored with the final weights",
+        }
     return {
         "steady_samples_per_s_async_over_sync": steady,
         "without_epoch_first_steps_async_over_sync": pipelined[0] / pipelined[1] if all(pipelined) else None,
@@ -384,9 +441,13 @@ def compare(sync: dict[str, Any], other: dict[str, Any], target: float, last_k: 
                 "same prompts and per-sample noise seeds per step in both modes (same seed), so step k's reward "
                 "difference comes from the weights only (step 1: identical weights, difference 0). within_noise: "
                 "|mean over steps 2..N| <= 2 standard errors (std of the per-step differences / sqrt(N-1)); the "
-                "differences are not independent (weights drift apart), so this is a rough test"
+                "differences are not independent (weights drift apart), so this is a rough test. With staleness s "
+                "a step's samples come from weights s updates older than sync's, so the async training-reward "
+                "curve lags by about s steps of improvement even if learning per sample were the same: the "
+                "validation comparison (final weights, same held-out prompts) does not have that lag"
             ),
         },
+        "validation": validation,
     }
 
 
@@ -400,13 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="+",
         default=[2],
-        help="sync runs to make, by rollout.agent.num_workers (default 2: both cores in the rollout phase too)",
+        help="sync runs, by rollout.agent.num_workers (default 2: both cores in the rollout phase too); the first is the baseline",
     )
     parser.add_argument("--sync-bypass", choices=["true", "false"], default="true", help="bypass_mode in sync runs")
     parser.add_argument("--num-warmup-batches", type=int, default=1)
     parser.add_argument("--parameter-sync-step", type=int, default=1)
     parser.add_argument("--max-off-policy-threshold", type=float, default=1.0)
     parser.add_argument("--last-k", type=int, default=4, help="steps of the final reward mean")
+    parser.add_argument("--val-n", type=int, default=8, help="validation samples per held-out prompt (0: no validation)")
     parser.add_argument("--target", type=float, default=1.3, help="async / sync steady samples/s to reach")
     parser.add_argument("--model", default=str(REPO / "models" / "tiny-sd3"), help="tiny model folder (built if absent)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "async.json"), help="JSON result path")
@@ -428,17 +490,18 @@ def main(argv: list[str] | None = None) -> int:
         f"actor_rollout_ref.model.path={model}",
         f"trainer.total_epochs={args.epochs}",
         "trainer.logger=[console,file]",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
         "algorithm.rollout_correction.bypass_mode=true",
+        *validation_overrides(args.val_n),
         *args.overrides,
     ]
     cfg = load_config(overrides=shared)
     batch, mini = cfg.data.train_batch_size, cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     if batch != mini:
         parser.error(f"data.train_batch_size={batch} must equal actor_rollout_ref.actor.ppo_mini_batch_size={mini}")
-    plan = [(f"sync_{w}_rollout_workers", mode_overrides("sync", args, w)) for w in args.sync_rollout_workers]
-    plan.append(("separate_async", mode_overrides("separate_async", args)))
+    # The baseline sync run, then separate_async right after it (the pair compared for the target), then any
+    # further sync variants.
+    syncs = [(f"sync_{w}_rollout_workers", mode_overrides("sync", args, w)) for w in args.sync_rollout_workers]
+    plan = [syncs[0], ("separate_async", mode_overrides("separate_async", args)), *syncs[1:]]
 
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-bench-async-"))
     runs: dict[str, dict[str, Any]] = {}
@@ -462,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    comparisons = {name: compare(runs[name], runs["separate_async"], args.target, args.last_k) for name, _ in plan[:-1]}
+    comparisons = {name: compare(runs[name], runs["separate_async"], args.target, args.last_k) for name, _ in syncs}
     baseline = plan[0][0]
     rollout = cfg.actor_rollout_ref.rollout
     result = {
@@ -527,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
             + f", target {c['target']}x met: {c['target_met']}; reward diff {r['mean_diff_steps_2_to_n']:.2e}"
             + f" +- {r['standard_error'] or float('nan'):.2e} (within noise: {r['within_noise']})"
         )
+        if c["validation"]:
+            print(f"  validation after training, async - sync: {c['validation']['after_async_minus_sync']}")
+            print(f"  validation gain sync {c['validation']['gain_sync']}, async {c['validation']['gain_async']}")
     print(f"written to {out}")
     return 0
 
