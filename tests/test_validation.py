@@ -24,7 +24,11 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "actor_rollout_ref.actor.fsdp_config.wrap_policy",
         "takes only model_dtype, dtype",
     ),
-    (["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], "actor_rollout_ref.actor.fsdp_config.fsdp_size", "strategy=torch"),
+    (
+        ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"],
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+        "of verl's FSDP settings it takes only",
+    ),
     (["actor_rollout_ref.ref.fsdp_config.param_offload=true"], "actor_rollout_ref.ref.fsdp_config", "FSDP"),
     (["actor_rollout_ref.actor.fsdp_config.model_dtype=int8"], "actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16"),
     (["ray_kwargs.ray_init.namespace=x"], "ray_kwargs.ray_init.namespace", "accepts address, num_cpus, num_gpus"),

@@ -13,7 +13,8 @@ or refused with the reason, before anything starts, never accepted and ignored. 
 from __future__ import annotations
 
 _FSDP = (
-    "OmniFlow trains with actor.strategy=torch (one Ray actor, plain PyTorch); FSDP / VeOmni knobs do not apply. Remove this key."
+    "OmniFlow's strategies (torch: one rank; ddp; fsdp2: torch's fully_shard per transformer block) do not take this "
+    "verl FSDP1 / VeOmni knob. Remove this key."
 )
 _VLLM = "OmniFlow rolls out with rollout.name=diffusers (the pipeline's own modules in Ray actors); vLLM-Omni server knobs do not apply. Remove this key."
 _PROFILER = "profiling hooks are not implemented in OmniFlow; remove this section."
@@ -197,7 +198,7 @@ REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
 # is filled with the section's own keys.
 UNKNOWN_IN_SECTION: dict[str, str] = {
     "actor_rollout_ref.actor.fsdp_config": (
-        "OmniFlow trains with actor.strategy=torch (one Ray actor, plain PyTorch); of verl's FSDP settings it "
+        "OmniFlow's strategies are torch (one rank), ddp and fsdp2 (torch's fully_shard per transformer block); of verl's FSDP settings it "
         "takes only {accepted}. Remove this key."
     ),
     "ray_kwargs.ray_init": "not a ray.init argument OmniFlow passes on; it accepts {accepted}.",
