@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omniflow.tasks.cache_keys import key_of
 from prefect import task
 
+from omni_core.cache_keys import key_of
 from omni_core.config.schema import ModelConfig
 from omni_core.models.tokenizer import load_tokenizer as load_model_tokenizer
 from omni_core.models.tokenizer import tokenizer_dir

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniflow.tasks.cache_keys import key_of
 from omniflow.tasks.load_tokenizer import TokenizerInfo
 from prefect import task
 
+from omni_core.cache_keys import key_of
 from omni_core.config.schema import DataConfig, ModelConfig
 from omni_core.data.datasets import dataset_files, load_datasets
 from omni_core.data.prompts import PromptRecord

@@ -20,9 +20,10 @@ import json
 from typing import Any
 
 import ray
-from omniflow.tasks.cache_keys import cached_file, file_backed_key, key_of
+from omniflow.tasks.cache_keys import cached_file, file_backed_key
 from prefect import get_run_logger, task
 
+from omni_core.cache_keys import key_of
 from omni_core.config.schema import ActorRolloutRefConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.models.prompt_embeddings import encode_prompt_set, text_encoder_fingerprint, unique_prompts

@@ -10,7 +10,7 @@ from pathlib import Path
 
 # ------------------------------------------------------------------ 17: the OmniFlow version in cache keys
 def test_cache_keys_change_with_the_omniflow_version_and_the_code_that_shapes_the_value(tmp_path):
-    from omniflow.tasks.cache_keys import CODE_FILES, OMNI_CORE_DIR, code_version, key_of, omniflow_version
+    from omni_core.cache_keys import CODE_FILES, OMNI_CORE_DIR, code_version, key_of, omniflow_version
 
     prompts = tmp_path / "train.txt"
     prompts.write_text("a red circle\n")
