@@ -57,9 +57,10 @@ ACTOR_CALL_TIMEOUT_S = 1800.0
 ACTOR_RESTART_TIMEOUT_S = 600.0
 
 
-def cpu_threads(parallel_workers: int) -> int:
-    """torch threads per busy worker so that busy threads add up to the cores (Ray would set 1)."""
-    return max(1, (os.cpu_count() or 1) // max(1, parallel_workers))
+def cpu_threads(parallel_workers: int, cores_taken: int = 0) -> int:
+    """torch threads per busy worker so that busy threads add up to the cores left after `cores_taken` (Ray
+    would set 1)."""
+    return max(1, ((os.cpu_count() or 1) - cores_taken) // max(1, parallel_workers))
 
 
 class PolicyGradientDiffusionTrainerV1:
@@ -146,7 +147,7 @@ class PolicyGradientDiffusionTrainerV1:
         # on "name already taken".
         # separate_async: the rollout workers keep sampling while the ranks train, so the ranks get the other cores.
         busy_elsewhere = len(plan.rollout) * ROLLOUT_WORKER_THREADS if standalone_rollout(self.config) else 0
-        threads = max(1, ((os.cpu_count() or 1) - busy_elsewhere) // len(plan.training))
+        threads = cpu_threads(len(plan.training), busy_elsewhere)
         self.ranks = TrainingRanks.create(self.config, names, plan, options, self.total_training_steps, threads)
         self.actor = self.ranks.leader
 

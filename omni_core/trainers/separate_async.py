@@ -50,9 +50,9 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         self._next_feed = 0  # the step whose prompt batch is put next
         self._refills = 0
         self._busy_at_step_start = 0.0
-        # The dataloader's state before each batch put ahead was drawn, by the step it is for: a checkpoint saves
-        # the one of the first batch not trained yet, so a resumed run puts those prompts again (never skips them).
-        self._state_before: dict[int, dict[str, Any]] = {}
+        # The loader's (epoch, position) before each batch put ahead was drawn, by the step it is for: a checkpoint
+        # saves the one of the first batch not trained yet, so a resumed run puts those prompts again.
+        self._position_before: dict[int, tuple[int, int]] = {}
 
     @property
     def _async(self) -> Any:
@@ -85,7 +85,7 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         to the workers."""
         assert self.dataloader is not None and self.agent_loop is not None and self._weights is not None
         weights, version = self._weights
-        self._state_before.setdefault(step, self.dataloader.state_dict())
+        self._position_before.setdefault(step, (self.dataloader.epoch, self.dataloader.position))
         params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
         request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), uid_prefix)
         request = replace(request, weights_version=version, weights=weights)
@@ -149,9 +149,11 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         (pending, running or finished alike: the TransferQueue does not outlive the run). At an epoch's end
         nothing is queued and this is the dataloader's own state."""
         assert self.dataloader is not None
-        queued = sorted(step for step in self._state_before if step > self.global_step)
-        self._state_before = {step: state for step, state in self._state_before.items() if step > self.global_step}
-        return self._state_before[queued[0]] if queued else self.dataloader.state_dict()
+        self._position_before = {step: at for step, at in self._position_before.items() if step > self.global_step}
+        state = self.dataloader.state_dict()
+        if self._position_before:
+            state["epoch"], state["position"] = self._position_before[min(self._position_before)]
+        return state
 
     def _end_of_epoch(self) -> None:
         """Drain: wait for every request in flight, then clear what no step took (refills beyond the need)."""
