@@ -60,8 +60,26 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
 
 
 def _was_stopped(state: Any) -> bool:
-    """Whether a Failed `state` is really a Ctrl-C / SIGTERM that library code wrapped in its own error."""
-    return bool(_stop_signals) or "TerminationSignal" in (state.message or "")
+    """Whether a Failed `state` is really a Ctrl-C / SIGTERM that library code wrapped in its own error.
+
+    Prefect's engine owns SIGTERM while the flow runs (its handler raises `TerminationSignal`, and hands the
+    signal on to ours only when that exception reaches it); a signal landing inside a C call surfaces as that
+    call's `SystemError` instead, with the `TerminationSignal` as its cause: the exception's chain tells."""
+    from prefect.exceptions import TerminationSignal
+
+    if _stop_signals or "TerminationSignal" in (state.message or ""):
+        return True
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception:  # a result that cannot be read back: nothing to tell
+        return False
+    seen: set[int] = set()
+    while isinstance(exc, BaseException) and id(exc) not in seen:
+        if isinstance(exc, (TerminationSignal, KeyboardInterrupt)):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def prepare_process() -> None:

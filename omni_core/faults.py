@@ -35,7 +35,13 @@ _RAY_INFRASTRUCTURE = (
 )
 # Never retried, whatever they wrap: the same config / code fails the same way (matched by class name so
 # that this module imports neither the rewards nor the config package).
-_NOT_RETRYABLE = ("ConfigError", "RewardFailureError", "RunOutOfMemoryError", "TransferQueueCapacityError")
+_NOT_RETRYABLE = (
+    "ConfigError",
+    "IncompleteGroupsError",
+    "RewardFailureError",
+    "RunOutOfMemoryError",
+    "TransferQueueCapacityError",
+)
 # What torch (CUDA: "CUDA out of memory"; CPU allocator: "not enough memory" / "can't allocate memory") and
 # other libraries put in the message of an allocation failure.
 _OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")

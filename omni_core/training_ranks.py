@@ -10,17 +10,21 @@ every epoch) forms the group again whenever the ranks do not all report the same
 ddp / torch: rank 0 saves checkpoints and serves weights, a rank whose weights differ from the checkpoint
 reloads on its own. fsdp2: those are collective, so every rank saves (its shards) and gathers the weights,
 and any difference makes all ranks rebuild, shard and load the checkpoint together. `train_step` calls
-every rank and merges their metrics (means of equal shares; maxima for timings and worst-case figures).
+every rank and merges their metrics over the ranks that report each (means of equal shares; maxima for timings,
+worst-case figures and `*/max`; minima for `*/min`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from omni_core.records import WorkerNames
 from omni_core.resources import ResourcePlan
+
+if TYPE_CHECKING:
+    import torch
 
 # Metrics whose merge over ranks is the maximum (the slowest rank, the worst sample), not the mean.
 _MAX_METRICS = ("training/rollout_probs_diff_max", "actor/nonfinite_streak")
@@ -28,12 +32,18 @@ _MAX_METRICS = ("training/rollout_probs_diff_max", "actor/nonfinite_streak")
 
 def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from every rank's: the mean (each rank trained an equal share of the samples), the
-    maximum for `timing_s/*` and the worst-case figures."""
+    maximum for `timing_s/*`, the worst-case figures and keys ending in `/max`, the minimum for keys ending in `/min`.
+
+    Ranks may report different keys (a rank that trained no sample of a staleness level has no ratio figures for
+    it): each key merges over the ranks that report it. Such a mean weighs every rank alike, not by its samples.
+    """
     merged: dict[str, float] = {}
-    for key in per_rank[0]:
-        values = [m[key] for m in per_rank]
-        if key.startswith("timing_s/") or key in _MAX_METRICS:
+    for key in dict.fromkeys(k for metrics in per_rank for k in metrics):  # the union, in first-seen order
+        values = [metrics[key] for metrics in per_rank if key in metrics]
+        if key.startswith("timing_s/") or key in _MAX_METRICS or key.endswith("/max"):
             merged[key] = max(values)
+        elif key.endswith("/min"):
+            merged[key] = min(values)
         else:
             merged[key] = sum(values) / len(values)
     return merged
@@ -134,9 +144,12 @@ class TrainingRanks:
         ray.get(refs[1:], timeout=timeout_s)  # the other ranks only take part in the gather
         return refs[0]
 
-    def train_step(self, partition: str, keys: list[str], advantages: Any, step: int, timeout_s: float) -> dict[str, float]:
-        """One training step on every rank (each reads its own samples); the merged metrics."""
-        calls = [h.train_step.remote(partition, keys, advantages, step) for h in self.handles]
+    def train_step(
+        self, partition: str, keys: list[str], advantages: Any, step: int, timeout_s: float, staleness: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """One training step on every rank (each reads its own samples); the merged metrics. `staleness`: None
+        (on-policy) or each key's staleness in model versions, a float tensor `[B]` in the order of `keys`."""
+        calls = [h.train_step.remote(partition, keys, advantages, step, staleness=staleness) for h in self.handles]
         return merge_rank_metrics(ray.get(calls, timeout=timeout_s))
 
     def versions(self, timeout_s: float) -> list[int]:

@@ -2,9 +2,9 @@
 
 The lean config with one prompt per step (2 steps per epoch, 2 epochs), one warm-up batch, weights published
 every step and a threshold of 1 model version: the rollout of step k+1 runs while step k trains, with the
-weights of step k-1. Each epoch starts from a weight sync at its checkpoint, so the staleness of the steps'
-trajectories is exactly 0, 1, 0, 1 (read from each trajectory's `model_version` tag by the replay buffer, and
-checked here against that schedule). With one rollout worker the groups are trained in the order they were
+weights of step k-1, across epoch ends too (a checkpoint records the queued groups and the next epoch puts them
+back), so the staleness of the steps' trajectories is exactly 0, 1, 1, 1 (read from each trajectory's
+`model_version` tag by the replay buffer, and checked here against that schedule). With one rollout worker the groups are trained in the order they were
 put and each request names its weights, so the run is deterministic: a second run whose worker is killed
 mid-run ends with the same weights, bit for bit. (With several workers the replay buffer trains the oldest
 groups that are ready, and which are ready first depends on timing: such runs are not bit-reproducible.)
@@ -32,26 +32,31 @@ ASYNC = [
 
 @pytest.fixture(scope="module")
 def async_runs(flow_overrides, prefect_api, ray_cluster, transfer_queue, tmp_path_factory):
-    """{"clean": ..., "killed": ...}: (final state, checkpoint dir, killed pids) of two runs of the same config with
-    one standalone rollout worker. The second loses that worker (SIGKILL, pid from Ray's state API) once epoch 1
-    is saved, and writes checkpoints at epoch ends only (its retried epoch starts from one, as the clean run's
-    epoch 2 did; the clean run's extra checkpoints inside epochs do not change what it trains)."""
+    """{"clean": ..., "killed": ...}: (final state, checkpoint dir, killed pids) of the same config with one
+    standalone rollout worker, run twice.
+
+    "killed": `omniflow train` in its own process, SIGKILLed with every process it started once step 1's
+    checkpoint is committed (it holds step 2's group, sampled ahead), then resumed (resume_mode=auto) here; the
+    resumed run loses its rollout worker (SIGKILL, pid from Ray's state API) once step 2 is saved, so epoch 2 is
+    retried from that checkpoint on the worker Ray restarted."""
     import threading
 
     from flow_utils import kill_when
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+    from test_cli_runs import _env, _freeze_and_kill, _latest, _train, _wait_for
 
     runs = {}
     for name in ("clean", "killed"):
         ckpt = tmp_path_factory.mktemp(f"async-{name}") / "ckpt"
-        overrides = [
-            *flow_overrides,
-            *(ASYNC if name == "clean" else [o for o in ASYNC if not o.startswith("trainer.save_freq")]),
-            f"trainer.default_local_dir={ckpt}",
-            f"trainer.experiment_name=async-{name}",
-        ]
+        overrides = [*flow_overrides, *ASYNC, f"trainer.default_local_dir={ckpt}", f"trainer.experiment_name=async-{name}"]
         killed: list[int] = []
         if name == "killed":
+            log = ckpt.parent / "first.log"
+            first = _train(overrides, _env(PREFECT_API_URL=prefect_api), log)
+            _wait_for(lambda ckpt=ckpt: _latest(ckpt) == "1", first, 600, log, poll_s=0.05)
+            _freeze_and_kill(first.pid)
+            first.wait(timeout=60)
+            assert _latest(ckpt) == "1" and not (ckpt / "global_step_2").exists(), "the kill landed after step 2 was saved"
             args = (ckpt, "async-killed-", "RolloutWorker", killed)
             watcher = threading.Thread(target=kill_when, args=args, kwargs={"after_step": 2}, daemon=True)
             watcher.start()
@@ -63,10 +68,12 @@ def async_runs(flow_overrides, prefect_api, ray_cluster, transfer_queue, tmp_pat
     return runs
 
 
-def _step_records(ckpt) -> list[dict]:
+def _step_records(ckpt, run_id: str | None = None) -> list[dict]:
+    """The step records of the run's metrics log (the only run in `ckpt`, or the run `run_id`)."""
     from omni_core.tracking import read_jsonl
 
-    (log_dir,) = list((ckpt / "logs").iterdir())
+    dirs = [d for d in (ckpt / "logs").iterdir() if run_id is None or d.name == run_id]
+    (log_dir,) = dirs
     return [r for r in read_jsonl(log_dir / "metrics.jsonl") if "critic/rewards/mean" in r]
 
 
@@ -76,9 +83,9 @@ def test_an_async_run_trains_each_step_at_the_staleness_its_schedule_gives(async
     records = _step_records(ckpt)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     key = "training/off_policy/trajectory_staleness"
-    # Step 1 of an epoch samples with the epoch's own weights; step 2's batch was put one step ahead.
-    assert [r[f"{key}/max"] for r in records] == [0.0, 1.0, 0.0, 1.0]
-    assert [r[f"{key}/min"] for r in records] == [0.0, 1.0, 0.0, 1.0]
+    # Step 1 samples with the base weights; every later batch was put one step ahead, epoch ends included.
+    assert [r[f"{key}/max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert [r[f"{key}/min"] for r in records] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["training/off_policy/dropped_samples"] == 0.0 for r in records)
     assert all(r[f"{key}_worst"] <= 1.0 for r in records)
     for r in records:  # measured shares of the step: the trainer waiting, the rollout pool not sampling
@@ -87,30 +94,43 @@ def test_an_async_run_trains_each_step_at_the_staleness_its_schedule_gives(async
     assert records[0]["actor/ratio_mean"] == 1.0 and records[1]["actor/ratio_mean"] != 1.0
 
 
-def test_a_checkpoint_inside_an_epoch_resumes_at_the_first_batch_not_trained(async_runs):
-    """Step 3's checkpoint is written while step 4's batch is queued (drawn from the loader already): it saves
-    the loader's state before that batch (epoch 1, position 1), so a run resumed from it puts those prompts
-    again instead of skipping them. The epoch-end checkpoint (step 4) has nothing queued: epoch 2, position 0."""
+def test_a_checkpoint_records_the_groups_sampled_ahead(async_runs):
+    """Each checkpoint waits for the queued request (step k+1's group, sampled with the weights of step k-1),
+    records it with the feeding state, and saves the loader past it: step 2's (the end of epoch 1) and step 3's
+    (inside epoch 2) hold one group each, the last one none."""
+    import torch
+
     from omni_core.checkpoint import read_state
 
     _, ckpt, _ = async_runs["clean"]
-    inside, end = (read_state(ckpt / f"global_step_{s}", "dataloader") for s in (3, 4))
-    assert (inside["epoch"], inside["position"]) == (1, 1), inside
-    assert (end["epoch"], end["position"]) == (2, 0), end
+    for step, (epoch, position), groups in [(2, (1, 1), 1), (3, (2, 0), 1), (4, (2, 0), 0)]:
+        folder = ckpt / f"global_step_{step}"
+        loader, feed = read_state(folder, "dataloader"), read_state(folder, "rollout_queue")
+        assert (loader["epoch"], loader["position"]) == (epoch, position), (step, loader)
+        assert feed == {"next_feed": min(step + 2, 5), "weights_version": step, "refills": 0, "groups": groups}, (step, feed)
+        assert not (folder / "rollout_weights.safetensors").exists()  # weights published every step: the checkpoint's own
+        record = torch.load(folder / "rollout_queue.pt", weights_only=True)
+        assert len(record["prompts"]) == groups
+        for uid, tag in record["prompts"].items():
+            assert (tag["status"], tag["global_steps"], tag["model_version"]) == ("finished", step + 1, step - 1), (uid, tag)
+        assert {t["model_version"] for t in record["trajectory_tags"].values()} == ({step - 1} if groups else set())
+        assert len(record["trajectory_tags"]) == 4 * groups  # rollout.n samples of the group
 
 
-def test_the_schedule_is_deterministic_and_a_killed_rollout_worker_changes_nothing(async_runs):
-    """The rollout worker of the second run is SIGKILLed as epoch 2 starts: its request fails, the epoch is retried
-    from its checkpoint on the worker Ray restarted, and the run ends bit-identical to the clean run (no prompt
-    trained twice: a retried epoch starts again from its checkpoint's weights and loader position, and each
-    request names the weights it is sampled with)."""
+def test_the_schedule_is_deterministic_through_a_sigkill_and_a_killed_rollout_worker(async_runs):
+    """The killed run ends bit-identical to the clean one: its resume put back the group step 1's checkpoint had
+    sampled ahead (step 2 trains it, 1 version stale, as in the clean run) and fed on from the loader position
+    past it; its retried epoch did the same from step 2's checkpoint. No prompt was trained twice or skipped:
+    each step trained once, at the clean run's staleness, and each request names the weights it samples with."""
     import ray
     from ray.util.state import list_actors
 
     state, ckpt, killed = async_runs["killed"]
     assert killed, "the rollout worker was not found to kill"
     assert_same_weights(final_weights(ckpt), final_weights(async_runs["clean"][1]))
-    assert [r["training/off_policy/trajectory_staleness/max"] for r in _step_records(ckpt)] == [0.0, 1.0, 0.0, 1.0]
+    resumed = [r for r in _step_records(ckpt, run_id=state.result().run_id)]
+    assert [r["step"] for r in resumed] == [2, 3, 4]  # step 1 came from the killed process's checkpoint
+    assert [r["training/off_policy/trajectory_staleness/max"] for r in resumed] == [1.0, 1.0, 1.0]
     (worker,) = list_actors(
         address=ray.get_runtime_context().gcs_address,
         filters=[("name", "=", f"omniflow-{state.result().run_id}-rollout-worker-0")],
@@ -179,3 +199,34 @@ def test_a_slow_prompt_group_is_dropped_or_waited_for(
         assert sum(dropped) == 0.0, dropped
         assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) <= 1.0
         assert max(r["timing_s/gen"] for r in records) > 4.0  # the step that waited for the slow group
+
+
+def test_sigterm_stops_the_rollout_pool_and_keeps_the_last_checkpoint(flow_overrides, tmp_path, prefect_api):
+    """`omniflow train` in separate_async mode stopped with SIGTERM (a shell's kill, a scheduler's stop) while its
+    rollout worker samples ahead: exit 130 with the interruption line, the worker's process gone with the run
+    (no generation left running), and the last checkpoint intact, with the group it recorded."""
+    import signal
+
+    from real_prefect import wait_gone
+    from test_cli_runs import _descendants, _env, _latest, _train, _wait_for
+
+    from omni_core.checkpoint import find_latest, read_state, verify_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    log = tmp_path / "run.log"
+    overrides = [*flow_overrides, *ASYNC, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=async-sigterm"]
+    proc = _train(overrides, _env(PREFECT_API_URL=prefect_api), log)
+    _wait_for(lambda: _latest(ckpt) == "1", proc, 600, log, poll_s=0.05)
+    spawned = [p for p in _descendants(proc.pid) if p.is_running()]
+    workers = [p for p in spawned if "RolloutWorker" in " ".join(p.cmdline())]
+    assert workers, [" ".join(p.cmdline())[:80] for p in spawned]
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert "omniflow: interrupted; the last checkpoint is intact and the run's processes are stopped" in text, text[-3000:]
+    wait_gone(spawned, timeout_s=60)  # the rollout worker and every other process of the run
+    latest = find_latest(ckpt)
+    assert latest is not None, sorted(p.name for p in ckpt.iterdir())
+    verify_checkpoint(latest)
+    assert read_state(latest, "rollout_queue")["groups"] in (0, 1)

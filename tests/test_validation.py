@@ -119,7 +119,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
             "trainer.v1.sampler.drop_incomplete_groups=true",
         ],
         "trainer.v1.sampler.drop_incomplete_groups",
-        "refilling it is not implemented",
+        "only trainer.v1.trainer_mode=sync supports it",
     ),
     (
         ["actor_rollout_ref.rollout.algo.sde_window_size=10"],

@@ -21,6 +21,10 @@ Schedule (for each call, i.e. once per training step):
 
 Every rank draws the same permutation (same seed), so the ranks' slices of a mini-batch are disjoint and
 together the whole mini-batch: the averaged gradient is the single-rank gradient of that mini-batch.
+
+Off-policy batches (separate_async) carry each sample's staleness in model versions: the update then also reports
+the importance ratio ``exp(logp_now - logp_old)`` per staleness level (``ratio_by_level``), which shows how far the
+stale samples drifted from the policy that trains them (in bypass mode the old log-prob is the rollout's).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ __all__ = [
     "local_schedule",
     "nonfinite_metrics",
     "ppo_update",
+    "ratio_by_level",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,6 +155,47 @@ def _take(batch: Mapping[str, Any], idx: Tensor) -> dict[str, Any]:
     return out
 
 
+def ratio_by_level(ratio: Tensor, level: Tensor, n_levels: int, clip_ratio: float) -> dict[str, Tensor]:
+    """Statistics of the importance ratios ``ratio [b]`` of one (micro-batch, window step) call per staleness level.
+
+    ``level [b]`` is each sample's level index in ``[0, n_levels)``. Returns ``sum``, ``count``, ``clipped`` (how
+    many have ``|r - 1| > clip_ratio``, as ``pg_clipfrac`` counts them), ``min`` and ``max``, each ``[n_levels]`` on
+    ``ratio``'s device (a level without a sample here: count 0, min +inf, max -inf). Tensors, so that summing them
+    over the calls of a step needs no device sync.
+    """
+    zeros = ratio.new_zeros(n_levels)
+    return {
+        "sum": zeros.index_add(0, level, ratio),
+        "count": zeros.index_add(0, level, torch.ones_like(ratio)),
+        "clipped": zeros.index_add(0, level, ((ratio - 1.0).abs() > clip_ratio).to(ratio.dtype)),
+        "min": ratio.new_full((n_levels,), math.inf).scatter_reduce(0, level, ratio, "amin"),
+        "max": ratio.new_full((n_levels,), -math.inf).scatter_reduce(0, level, ratio, "amax"),
+    }
+
+
+def _add_ratio_stats(total: dict[str, Tensor], stats: dict[str, Tensor]) -> None:
+    """Fold one call's ``ratio_by_level`` into the step's running ``total`` (in place)."""
+    combine = {"min": torch.minimum, "max": torch.maximum}
+    for key, value in stats.items():
+        total[key] = combine.get(key, torch.add)(total[key], value) if key in total else value
+
+
+def _ratio_metrics(levels: Tensor, total: dict[str, Tensor]) -> dict[str, float]:
+    """``training/off_policy/ratio/staleness_{level:g}/{mean,min,max,clipfrac}`` of every level this rank trained."""
+    stats = {key: value.cpu().tolist() for key, value in total.items()}
+    metrics: dict[str, float] = {}
+    for i, level in enumerate(levels.tolist()):
+        count = stats["count"][i]
+        if count == 0:  # another rank's samples only: its figures come from that rank
+            continue
+        prefix = f"training/off_policy/ratio/staleness_{level:g}"
+        metrics[f"{prefix}/mean"] = stats["sum"][i] / count
+        metrics[f"{prefix}/min"] = stats["min"][i]
+        metrics[f"{prefix}/max"] = stats["max"][i]
+        metrics[f"{prefix}/clipfrac"] = stats["clipped"][i] / count
+    return metrics
+
+
 def ppo_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -168,7 +214,8 @@ def ppo_update(
         optimizer: stepped once per mini-batch.
         lr_scheduler: stepped once at the end of the call (or None).
         batch: ``latents [B, W+1, *latent]``, ``timesteps [B, W]``, ``old_log_probs [B, W]``,
-            ``advantages [B]`` (or ``[B, W]``), plus any conditioning tensors with batch dim first.
+            ``advantages [B]`` (or ``[B, W]``), optionally ``staleness [B]`` (each sample's, in model versions:
+            off-policy batches), plus any conditioning tensors with batch dim first.
         step_fn: ``step_fn(micro_batch, j) -> StepOutput`` for window step ``j`` (see StepOutput).
         cfg: sizes and loss knobs.
         scaler: a gradient scaler for fp16 compute (losses scaled before backward, gradients unscaled
@@ -183,7 +230,10 @@ def ppo_update(
         ``actor/ratio_mean``, ``actor/ratio_std``, ``actor/kl_loss`` (0 when off); the mean over
         mini-batches of ``actor/grad_norm`` (before clipping); ``actor/lr`` used by this step;
         ``actor/skipped_optimizer_steps``, how many optimizer steps were skipped for non-finite
-        gradients; ``actor/grad_scale`` after the step when a scaler is given.
+        gradients; ``actor/grad_scale`` after the step when a scaler is given. With ``staleness`` in the batch,
+        also ``training/off_policy/ratio/staleness_{level:g}/{mean,min,max,clipfrac}`` over every (sample,
+        window step) of each staleness level this rank trained: the ratio ``exp(logp_now - old_log_prob)`` the
+        loss sees (before clipping) and the share of it outside ``1 +- clip_ratio``.
     """
     loss_fn = get_policy_loss(cfg.loss_mode)
     batch_size, window = batch["old_log_probs"].shape[:2]
@@ -198,6 +248,8 @@ def ppo_update(
     if cfg.dp_size > 1 and no_grad_sync is None:
         raise ValueError(f"dp_size={cfg.dp_size} needs no_grad_sync (DDP's no_sync) to average once per mini-batch")
 
+    levels = torch.unique(batch["staleness"]) if "staleness" in batch else None  # sorted
+    ratio_stats: dict[str, Tensor] = {}
     sums: dict[str, Tensor] = {}
     n_terms = 0
     grad_norms: list[float] = []
@@ -215,9 +267,10 @@ def ppo_update(
                 with sync:
                     out = step_fn(micro, j)
                     adv_j = adv[:, j] if adv.dim() == 2 else adv
+                    old_j = micro["old_log_probs"][:, j].to(out.log_prob.device)
                     loss, metrics = loss_fn(
                         out.log_prob,
-                        micro["old_log_probs"][:, j].to(out.log_prob.device),
+                        old_j,
                         adv_j.to(out.log_prob.device),
                         clip_ratio=cfg.clip_ratio,
                         adv_clip_max=cfg.adv_clip_max,
@@ -239,6 +292,10 @@ def ppo_update(
                     for key, value in metrics.items():
                         sums[key] = sums[key] + value if key in sums else value
                     n_terms += 1
+                    if levels is not None:
+                        ratio = torch.exp(out.log_prob.detach().float() - old_j.float())
+                        level = torch.searchsorted(levels, micro["staleness"]).to(ratio.device, non_blocking=True)
+                        _add_ratio_stats(ratio_stats, ratio_by_level(ratio, level, len(levels), cfg.clip_ratio))
         grad_norm, applied = _optimizer_step(optimizer, params, cfg.grad_clip, scaler)
         grad_norms.append(grad_norm)
         skipped += not applied
@@ -251,6 +308,8 @@ def ppo_update(
     result["actor/skipped_optimizer_steps"] = float(skipped)
     if scaler is not None:
         result["actor/grad_scale"] = float(scaler.get_scale())
+    if levels is not None and ratio_stats:
+        result.update(_ratio_metrics(levels, ratio_stats))
     return result
 
 

@@ -25,10 +25,6 @@ _VAL_PIPELINE = (
     "validation images use actor_rollout_ref.rollout.pipeline's size, guidance and sequence length; only "
     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps differs. Remove this key."
 )
-_GROUP_REFILL = (
-    "evicting a prompt group with a failed sample and refilling it is not implemented; a failed sample gets "
-    "advantage 0 and reward.max_failure_ratio bounds how many may fail. Keep the default."
-)
 _OFFLOAD = (
     "CPU offload needs the FSDP engine of the scale-out work; OmniFlow's torch strategy keeps parameters and "
     "optimizer on the device. Set it to false (or train LoRA with a bf16 actor.fsdp_config.model_dtype to save memory)."
@@ -182,8 +178,6 @@ REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
         "with actor_rollout_ref.rollout.agent.num_workers and leave reward.num_workers unset."
     ),
     "trainer.use_v1": "OmniFlow implements only the v1 (TransferQueue) trainer; set trainer.use_v1=true.",
-    "trainer.v1.sampler.drop_incomplete_groups": _GROUP_REFILL,
-    "trainer.v1.sampler.max_incomplete_group_refill_rounds": _GROUP_REFILL,
     "trainer.v1.separate_async.sync_compatible": (
         "there is nothing to pause: each separate_async rollout request names the weights it samples with, so a "
         "weight sync never lands inside a request. Keep false."

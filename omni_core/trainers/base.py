@@ -41,6 +41,15 @@ from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
 from omni_core.resources import resource_plan, rollout_worker_count, standalone_rollout
 from omni_core.rewards.failures import check_failure_share
+from omni_core.rollout import queue_record
+from omni_core.rollout.group_refill import (
+    IncompleteGroupsError,
+    RefilledBatch,
+    check_trainable,
+    describe_reasons,
+    group_refill_metrics,
+    sample_complete_groups,
+)
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
@@ -169,6 +178,7 @@ class PolicyGradientDiffusionTrainerV1:
         if path is not None:
             for line in check_resume_config(path, self.config.model_dump(mode="json")):
                 self._log(line, logging.WARNING)
+            self._check_queued_rollouts(str(path))
         self.resume_from = str(path) if path else None
         self._restore(self.resume_from)
 
@@ -272,10 +282,11 @@ class PolicyGradientDiffusionTrainerV1:
         root = t.checkpoint_dir
         # Checks free space first (the last checkpoint's size; the actor checks its state dicts' size) and
         # turns ENOSPC into a DiskFullError naming the folder; the temp folder is removed either way.
-        assert self.ranks is not None
+        assert self.ranks is not None and self.dataloader is not None
         with ckpt.CheckpointWriter(root, self.global_step) as writer:
+            self._save_queued_rollouts(writer)
             self.ranks.save(str(writer.tmp), ACTOR_CALL_TIMEOUT_S)
-            writer.write_state("dataloader", self._dataloader_state_to_save())
+            writer.write_state("dataloader", self.dataloader.state_dict())
             writer.write_state("controller", {"global_step": self.global_step, "run_id": self.run.run_id})
             writer.write_state("rng", ckpt.capture_rng_state())
             writer.write_config(to_yaml(self.config))
@@ -296,13 +307,15 @@ class PolicyGradientDiffusionTrainerV1:
     def fit_epoch(self, epoch: int) -> EpochResult:
         """Train epoch `epoch` from the last checkpoint written before now; save at its end."""
         self._val_grids = []
-        self._restore(self._latest_of_this_run())
+        start_from = self._latest_of_this_run()
+        self._restore(start_from)
         self._attach_transfer_queue()
         for partition in (self.run.train_partition, self.run.val_partition):
             stale = tqc.clear_partition(partition)
-            if stale:
+            if stale and not self._keeps_queued_rollouts(start_from):
                 self._log(f"cleared {stale} stale TransferQueue rows of {partition}", logging.WARNING)
         self._push_weights()
+        self._restore_queued_rollouts(start_from)
         result = EpochResult(epoch=epoch, global_step=self.global_step, checkpoint=None)
         self.tracking = Tracking(
             self.config.trainer.logger,
@@ -330,7 +343,6 @@ class PolicyGradientDiffusionTrainerV1:
                         raise out_of_memory_error(self.config, exc, f"step {self.global_step}") from exc
                     raise
                 result.step_metrics.append(metrics)
-            self._end_of_epoch()
             result.checkpoint = self._save_checkpoint()
             if self.global_step >= self.total_training_steps:
                 self.on_train_end()
@@ -372,12 +384,15 @@ class PolicyGradientDiffusionTrainerV1:
                     global_std=self.config.algorithm.global_std,
                 )
             assert self.ranks is not None
-            actor_metrics = self.ranks.train_step(self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S)
+            actor_metrics = self.ranks.train_step(
+                self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S, staleness=self._staleness_of(batch)
+            )
             for name in ("old_log_prob", "update_actor"):
                 timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")
             metrics: dict[str, float] = {**actor_metrics, **data_metrics(rewards[ok], advantages[ok], group[ok])}
             metrics["training/rollout_failure/failed_groups"] = float(len(batch.failed_uids))
             metrics["training/rollout_failure/failed_samples"] = float(num_failed)
+            metrics.update(group_refill_metrics(batch))  # drop_incomplete_groups: evicted / refilled / dropped groups
             if t.save_freq > 0 and step % t.save_freq == 0 and step % self.steps_per_epoch:
                 with timer("save_checkpoint"):
                     self._save_checkpoint()
@@ -397,27 +412,50 @@ class PolicyGradientDiffusionTrainerV1:
         return metrics
 
     def _sample_training_batch(self, step: int) -> SampledBatch:
-        """sync: the step's prompts, sampled now with the current weights, as complete groups."""
+        """sync: the step's prompts, sampled now with the current weights, as complete groups (with
+        `trainer.v1.sampler.drop_incomplete_groups`, failed groups refilled or dropped: `_rollout_refilling_failed_groups`)."""
         assert self.dataloader is not None
         params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
         request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), f"{step:06d}")
+        if self.config.trainer.v1.sampler.drop_incomplete_groups:
+            return self._rollout_refilling_failed_groups(request)
         return self._rollout(request, self.config.data.gen_batch_size)
+
+    def _staleness_of(self, batch: SampledBatch) -> torch.Tensor | None:
+        """Each trajectory's staleness in model versions, in `batch.trajectory_keys` order (sync: on-policy, None)."""
+        return None
 
     def _sampling_metrics(self, batch: SampledBatch, timing: dict[str, float]) -> dict[str, float]:
         """Metrics of how the step's batch was sampled (separate_async: staleness and idle shares)."""
         return {}
 
-    def _dataloader_state_to_save(self) -> dict[str, Any]:
-        """Where a run resumed from this checkpoint takes its next prompts (sync: the next step's batch)."""
-        assert self.dataloader is not None
-        return self.dataloader.state_dict()
+    def _save_queued_rollouts(self, writer: ckpt.CheckpointWriter) -> None:
+        """Write the prompts put ahead of training into a checkpoint (separate_async; sync has none)."""
 
-    def _end_of_epoch(self) -> None:
-        """Before the epoch's checkpoint (separate_async: no rollout left in flight)."""
+    def _check_queued_rollouts(self, checkpoint: str) -> None:
+        """sync: refuse a checkpoint holding prompt groups that separate_async sampled ahead (its dataloader state is
+        past them, so a sync run would skip them)."""
+        feed = queue_record.feed_state(checkpoint)
+        if feed is not None and feed.groups:
+            raise ckpt.CheckpointError(
+                f"{checkpoint} holds {feed.groups} prompt groups that trainer.v1.trainer_mode=separate_async sampled ahead "
+                "and did not train yet; a sync run would skip them. Resume it with trainer.v1.trainer_mode=separate_async, "
+                "or resume from a checkpoint of a sync run."
+            )
 
-    def _rollout(self, request: RolloutRequest, chunk_size: int | None = None) -> SampledBatch:
+    def _keeps_queued_rollouts(self, checkpoint: str | None) -> bool:
+        """Whether `checkpoint` holds queued rollouts that `_restore_queued_rollouts` puts back."""
+        return False
+
+    def _restore_queued_rollouts(self, checkpoint: str | None) -> None:
+        """Put back the queued rollouts of `checkpoint` after the epoch cleared the TransferQueue (separate_async)."""
+
+    def _rollout(
+        self, request: RolloutRequest, chunk_size: int | None = None, *, allow_failed_groups: bool = False
+    ) -> SampledBatch:
         """Put the request's prompts, dispatch them (in chunks of `chunk_size` prompts when given), and wait
-        (bounded) for their complete groups."""
+        (bounded) for their complete groups; `allow_failed_groups`: a group whose generation failed (no rows)
+        is returned with its reason instead of failing the step (the caller evicts and refills it)."""
         assert self.agent_loop is not None
         tqc.put_prompts(request.partition, request.uids, request.global_step)
         self.agent_loop.generate_sequences(request, chunk_size)
@@ -430,11 +468,39 @@ class PolicyGradientDiffusionTrainerV1:
             self._log(f"step {step}: prompt group {uid} failed: {reason}", logging.WARNING)
         # Reward failures still write their rows (checked in `step` against reward.max_failure_ratio); missing
         # rows mean the generation itself failed.
-        if len(batch.trajectory_keys) != request.num_samples:
+        if not allow_failed_groups and len(batch.trajectory_keys) != request.num_samples:
             raise RuntimeError(
                 f"step {step}: rollout returned {len(batch.trajectory_keys)} of {request.num_samples} samples; failed groups: "
                 f"{batch.failed_uids}"
             )
+        return batch
+
+    def _rollout_refilling_failed_groups(self, request: RolloutRequest) -> RefilledBatch:
+        """`trainer.v1.sampler.drop_incomplete_groups` (verl-omni's exact refill, `omni_core.rollout.group_refill`):
+        one prompt per rollout call; a group with a failed sample is evicted and its prompt sampled again, up to
+        `max_incomplete_group_refill_rounds` rounds; a prompt failing every round is dropped with a warning, and
+        the step trains the complete groups left if the PPO mini-batches divide them (else IncompleteGroupsError)."""
+        sampler, step = self.config.trainer.v1.sampler, request.global_step
+        rounds = sampler.max_incomplete_group_refill_rounds
+        batch = sample_complete_groups(
+            request,
+            rollout=lambda r: self._rollout(r, 1, allow_failed_groups=True),
+            clear_rows=lambda keys: tqc.clear(request.partition, keys),
+            max_rounds=rounds,
+        )
+        prompts = {it.uid: it.record.prompt for it in request.items}
+        for uid, reasons in batch.dropped.items():
+            self._log(
+                f"step {step}: prompt {uid} ({prompts[uid]!r}) failed {len(reasons)} times (max_incomplete_group_refill_rounds="
+                f"{rounds} refills) and is dropped from this step; reasons: {describe_reasons(reasons)}",
+                logging.WARNING,
+            )
+        try:
+            n, mini = request.params.n, self.config.actor_rollout_ref.actor.ppo_mini_batch_size
+            check_trainable(batch, n, mini, rounds, step)
+        except IncompleteGroupsError:
+            tqc.clear(request.partition, batch.trajectory_keys)  # nothing of the step is trained
+            raise
         return batch
 
     def _validate(self) -> dict[str, float]:

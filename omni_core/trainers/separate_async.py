@@ -15,11 +15,15 @@ policy that sampled it.
 
 Because a request's weights are fixed when it is put, not when a worker gets to it, which weights sample
 which prompt does not depend on timing. With one rollout worker the groups also finish in the order they
-were put, so the run is deterministic (same config, same weights). With several, the replay buffer trains
-the oldest groups that are ready, and which are ready first depends on timing. At the end of an epoch the pipeline drains (the last
-batches fed are the epoch's own, and every request is waited for) so that a checkpoint holds no queued
-work and a resumed or retried epoch starts as the uninterrupted run did: from a weight sync at its
-checkpoint's weights.
+were put, so the run is deterministic (same config, same weights, also after a kill and resume). With several,
+the replay buffer trains the oldest groups that are ready, and which are ready first depends on timing.
+
+The pipeline runs on across epoch ends. A checkpoint lets the requests already queued finish (they are the
+next `num_warmup_batches` steps' groups, which training waits for anyway) and records the finished groups not
+trained yet, with the feeding state (`omni_core.rollout.queue_record`); the dataloader state is past them. An
+epoch that starts, is retried, or a run that resumes from that checkpoint puts them back into the TransferQueue
+and feeds on from there: no prompt is trained twice or skipped, and a group whose staleness passed the
+threshold meanwhile is dropped (counted) by the replay buffer as any other.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+import ray
+import torch
+
+from omni_core import checkpoint as ckpt
 from omni_core.records import RunInfo
+from omni_core.rollout import queue_record
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.rollout.staleness import staleness, staleness_metrics
@@ -50,9 +59,6 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         self._next_feed = 0  # the step whose prompt batch is put next
         self._refills = 0
         self._busy_at_step_start = 0.0
-        # The loader's (epoch, position) before each batch put ahead was drawn, by the step it is for: a checkpoint
-        # saves the one of the first batch not trained yet, so a resumed run puts those prompts again.
-        self._position_before: dict[int, tuple[int, int]] = {}
 
     @property
     def _async(self) -> Any:
@@ -76,16 +82,11 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         return replace(request, weights=self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S), weights_version=self.global_step)
 
     # -------------------------------------------------------------------- feeding
-    def _epoch_last_step(self) -> int:
-        epoch_end = (self.global_step // self.steps_per_epoch + 1) * self.steps_per_epoch
-        return min(epoch_end, self.total_training_steps)
-
     def _feed(self, step: int, uid_prefix: str) -> None:
         """Put one prompt batch for `step` (pending, tagged with the weights it will be sampled with) and deal it
         to the workers."""
         assert self.dataloader is not None and self.agent_loop is not None and self._weights is not None
         weights, version = self._weights
-        self._position_before.setdefault(step, (self.dataloader.epoch, self.dataloader.position))
         params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
         request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), uid_prefix)
         request = replace(request, weights_version=version, weights=weights)
@@ -103,7 +104,7 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         assert self.agent_loop is not None
         self._next_feed = max(self._next_feed, step)  # an epoch's first step: nothing fed ahead yet
         self._busy_at_step_start = self.agent_loop.busy_seconds
-        last = min(step + self._async.num_warmup_batches, self._epoch_last_step())
+        last = min(step + self._async.num_warmup_batches, self.total_training_steps)
         while self._next_feed <= last:
             self._feed(self._next_feed, f"{self._next_feed:06d}")
             self._next_feed += 1
@@ -143,23 +144,46 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
             metrics["perf/idle_share/rollout"] = max(0.0, 1.0 - busy / (workers * step_s))
         return metrics
 
-    def _dataloader_state_to_save(self) -> dict[str, Any]:
-        """A checkpoint inside an epoch (`trainer.save_freq`) while batches of later steps are queued: the state
-        before the first of them, so a run resumed from it puts their prompts again, sampled with its weights
-        (pending, running or finished alike: the TransferQueue does not outlive the run). At an epoch's end
-        nothing is queued and this is the dataloader's own state."""
-        assert self.dataloader is not None
-        self._position_before = {step: at for step, at in self._position_before.items() if step > self.global_step}
-        state = self.dataloader.state_dict()
-        if self._position_before:
-            state["epoch"], state["position"] = self._position_before[min(self._position_before)]
-        return state
+    def _staleness_of(self, batch: SampledBatch) -> torch.Tensor | None:
+        """Each trajectory's staleness (keys are `<uid>_<session>_<index>`, sorted like `trajectory_keys`)."""
+        sync_every = self._async.parameter_sync_step
+        values = []
+        for key in batch.trajectory_keys:
+            version = batch.versions.get(tqc.uid_of_key(key))
+            values.append(0.0 if version is None else staleness(self.global_step, version, sync_every))
+        return torch.tensor(values, dtype=torch.float32)
 
-    def _end_of_epoch(self) -> None:
-        """Drain: wait for every request in flight, then clear what no step took (refills beyond the need)."""
-        assert self.agent_loop is not None
+    # -------------------------------------------------------------------- checkpoint / resume of the queue
+    def _save_queued_rollouts(self, writer: ckpt.CheckpointWriter) -> None:
+        """Let every queued request finish, then record the groups not trained yet (`queue_record`) and, when later
+        requests name weights other than the checkpoint's own, those weights."""
+        assert self.agent_loop is not None and self._weights is not None
         self.agent_loop.wait_idle(ACTOR_CALL_TIMEOUT_S)
-        left = tqc.clear_partition(self.run.train_partition)
-        if left:
-            self._log(f"{left} TransferQueue rows put this epoch were not trained (over-stale refills); cleared")
-        self._next_feed = 0
+        ref, version = self._weights
+        if self.global_step % self._async.parameter_sync_step == 0:
+            version = self.global_step  # published at this step's end (a save_freq checkpoint comes just before)
+        weights = None if version == self.global_step else ray.get(ref, timeout=ACTOR_CALL_TIMEOUT_S)
+        feed = queue_record.FeedState(next_feed=self._next_feed, weights_version=version, refills=self._refills, groups=0)
+        feed = queue_record.save(writer, self.run.train_partition, feed, weights)
+        self._log(f"checkpoint holds {feed.groups} prompt groups sampled ahead (next batch: step {feed.next_feed})")
+
+    def _check_queued_rollouts(self, checkpoint: str) -> None:
+        """A separate_async run resumes the queue of any checkpoint."""
+
+    def _keeps_queued_rollouts(self, checkpoint: str | None) -> bool:
+        return queue_record.feed_state(checkpoint) is not None
+
+    def _restore_queued_rollouts(self, checkpoint: str | None) -> None:
+        """Put the checkpoint's queued groups back and continue feeding where it stopped (a fresh start, or a
+        checkpoint without a record: feeding starts at the next step with the current weights)."""
+        feed = queue_record.feed_state(checkpoint)
+        if feed is None or checkpoint is None:
+            self._next_feed, self._refills = 0, 0
+            return
+        groups = queue_record.restore(checkpoint, self.run.train_partition)
+        self._next_feed, self._refills = feed.next_feed, feed.refills
+        weights = queue_record.saved_weights(checkpoint)
+        if weights is not None:
+            self._weights = (ray.put(weights), feed.weights_version)
+        if groups:
+            self._log(f"{groups} prompt groups sampled ahead put back from {checkpoint}")

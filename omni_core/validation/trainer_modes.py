@@ -1,4 +1,5 @@
-"""Trainer modes: a registered `trainer.v1.trainer_mode`, and each mode's requirements."""
+"""Trainer modes: a registered `trainer.v1.trainer_mode`, and each mode's requirements (including which mode the
+sampler's group refill, `trainer.v1.sampler.drop_incomplete_groups`, runs in and the keys it conflicts with)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ ASYNC_ONLY_KEYS = (
 
 
 def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
-    # trainer.use_v1=false, and the sampler / separate_async keys away from their defaults, are refused by
-    # the `refused` group (REFUSED_WHEN_NOT_DEFAULT).
+    # trainer.use_v1=false and separate_async.sync_compatible away from its default are refused by the `refused`
+    # group (REFUSED_WHEN_NOT_DEFAULT).
     p: list[ConfigProblem] = []
     mode = config.trainer.v1.trainer_mode
     modes = registered_modes()
@@ -28,6 +29,59 @@ def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         p.extend(_separate_async_problems(config))
     elif mode == "sync":
         p.extend(_async_keys_in_sync(config))
+    p.extend(_group_refill_problems(config))
+    return p
+
+
+def _group_refill_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """`drop_incomplete_groups` (verl-omni: sync mode only, generation batches of one prompt, refill rounds a positive
+    int, which the schema checks) and the keys it would leave doing nothing."""
+    from omni_core.validation.refused import config_value, default_config
+
+    sampler = config.trainer.v1.sampler
+    rounds_key, ratio_key = "trainer.v1.sampler.max_incomplete_group_refill_rounds", "reward.max_failure_ratio"
+    p: list[ConfigProblem] = []
+    if not sampler.drop_incomplete_groups:
+        if sampler.max_incomplete_group_refill_rounds != config_value(default_config(), rounds_key):
+            p.append(
+                ConfigProblem(
+                    rounds_key,
+                    "only trainer.v1.sampler.drop_incomplete_groups=true refills failed prompt groups; set it, or remove this key",
+                    sampler.max_incomplete_group_refill_rounds,
+                )
+            )
+        return p
+    if config.trainer.v1.trainer_mode != "sync":
+        p.append(
+            ConfigProblem(
+                "trainer.v1.sampler.drop_incomplete_groups",
+                f"only trainer.v1.trainer_mode=sync supports it, as in verl-omni (trainer_mode={config.trainer.v1.trainer_mode} "
+                "samples prompt groups ahead with older weights and never holds a step for one group, while a refill "
+                "re-samples a failed group's prompt and waits for it within the step); use sync, or set it to false (a "
+                "failed sample then gets advantage 0 and reward.max_failure_ratio bounds how many may fail)",
+                True,
+            )
+        )
+    if config.data.gen_batch_size not in (None, 1):
+        p.append(
+            ConfigProblem(
+                "data.gen_batch_size",
+                "trainer.v1.sampler.drop_incomplete_groups=true generates one prompt per rollout call (verl-omni warns and "
+                "uses 1), so that a failed group is evicted and re-issued alone; set data.gen_batch_size=1 or leave it null, "
+                "or set drop_incomplete_groups=false",
+                config.data.gen_batch_size,
+            )
+        )
+    if config.reward.max_failure_ratio != config_value(default_config(), ratio_key):
+        p.append(
+            ConfigProblem(
+                ratio_key,
+                "with trainer.v1.sampler.drop_incomplete_groups=true no failed sample is trained (its group is refilled or "
+                "dropped), so this ratio would bound nothing; remove the key, or set drop_incomplete_groups=false to train "
+                "failed samples at advantage 0 up to this share",
+                config.reward.max_failure_ratio,
+            )
+        )
     return p
 
 

@@ -380,32 +380,52 @@ class TrainingActor:
         shares = local_schedule(batch_size, self._update_config(global_step))
         return sorted({int(i) for share in shares for i in share})
 
-    def train_step(self, partition: str, keys: list[str], advantages: torch.Tensor, global_step: int) -> dict[str, float]:
+    def train_step(
+        self,
+        partition: str,
+        keys: list[str],
+        advantages: torch.Tensor,
+        global_step: int,
+        staleness: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """One training step on the rows `keys` (sorted) of `partition`: old log-probs, PPO update. A data-parallel
-        rank reads only the rows of its slices of the mini-batches."""
+        rank reads only the rows of its slices of the mini-batches. `staleness` (separate_async): each key's, in
+        model versions, for the importance-ratio metrics per staleness level (see `train_on`)."""
         from omni_core.tq.client import get_trajectories
 
         t0 = time.perf_counter()
         samples = self.local_samples(len(keys), global_step)
         traj = Trajectory.from_columns(get_trajectories(partition, [keys[i] for i in samples]))
-        metrics = self.train_on(traj, advantages, global_step, samples=samples)
+        metrics = self.train_on(traj, advantages, global_step, samples=samples, staleness=staleness)
         metrics["timing_s/old_log_prob"] += time.perf_counter() - t0 - metrics.pop("_train_s")
         return metrics
 
     def train_on(
-        self, traj: Trajectory, advantages: torch.Tensor, global_step: int, samples: list[int] | None = None
+        self,
+        traj: Trajectory,
+        advantages: torch.Tensor,
+        global_step: int,
+        samples: list[int] | None = None,
+        staleness: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Old log-probs (or the rollout's, in bypass mode) then the PPO update of one training step.
 
         `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all of them, in
-        order), which must include every sample of this rank's slices (`local_samples`).
+        order), which must include every sample of this rank's slices (`local_samples`). `staleness` (None: an
+        on-policy batch), like `advantages` one value per sample of the whole batch, adds the importance-ratio
+        statistics per staleness level (`training/off_policy/ratio/staleness_*`, see `ppo_update`).
 
         A step that fails part-way may have updated some parameters (an optimizer step of an earlier
         mini-batch) and, with several ranks, leaves the group's collectives out of step: the rank then reports
         version -1 and no group, so the epoch that retries resets it to its checkpoint and re-forms the group.
         """
+        if staleness is not None and staleness.shape != advantages.shape[:1]:  # before the step: nothing to undo
+            raise ValueError(
+                f"staleness has shape {tuple(staleness.shape)}; pass one value per sample of the step's batch, like "
+                f"advantages: ({advantages.shape[0]},)"
+            )
         try:
-            return self._train_on(traj, advantages, global_step, samples)
+            return self._train_on(traj, advantages, global_step, samples, staleness)
         except NonFiniteTrainingError:  # raised after the optimizer step was skipped: the weights are the last step's
             raise
         except Exception as exc:
@@ -420,7 +440,12 @@ class TrainingActor:
             raise
 
     def _train_on(
-        self, traj: Trajectory, advantages: torch.Tensor, global_step: int, samples: list[int] | None
+        self,
+        traj: Trajectory,
+        advantages: torch.Tensor,
+        global_step: int,
+        samples: list[int] | None,
+        staleness: torch.Tensor | None = None,
     ) -> dict[str, float]:
         t0 = time.perf_counter()
         batch_size = advantages.shape[0]
@@ -457,6 +482,8 @@ class TrainingActor:
 
         # ppo_update slices every tensor by sample; `sample` tells step_fn which samples it got.
         batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(batch_size)}
+        if staleness is not None:
+            batch["staleness"] = staleness.float()
         self.policy.transformer.train()
         no_sync = self.ddp.no_sync if self.ddp is not None else None
         if self.sharded:
