@@ -1,11 +1,12 @@
 """A service of the run dies mid-run: `omniflow train` in its own process, the service's process SIGKILLed.
 
-The embedded Prefect API: the run stops at once with one line naming the dead server and how to resume
-(exit 75), leaves no Ray, TransferQueue or Prefect process behind and its last checkpoint intact, and the
-same command again starts a new server on the same PREFECT_HOME and resumes from that checkpoint. That
-second run is then stopped with SIGTERM (as a shell's kill or a scheduler's stop does): exit 130, the
-interruption line, its own server and Ray cluster gone, its checkpoint intact. (One test for both: each
-run that starts its own server and Ray cluster costs a minute on 2 cores.)
+The embedded Prefect API, in a separate_async run: the run stops at once with one line naming the dead server
+and how to resume (exit 75), leaves no Ray, TransferQueue or Prefect process behind and its last checkpoint
+intact, and the same command again starts a new server on the same PREFECT_HOME and resumes from that
+checkpoint. That second run is then stopped with SIGTERM (as a shell's kill or a scheduler's stop does): exit
+130, the interruption line, its own server, Ray cluster and rollout worker gone, its checkpoint intact (with
+the group it sampled ahead). (One test for both: each run that starts its own server and Ray cluster costs a
+minute on 2 cores.)
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _own_api_run(flow_overrides: list[str], tmp_path, ckpt) -> tuple[dict[str, str], list[str]]:
-    """Environment and overrides of a 4-step run that starts its own Prefect API server and Ray cluster."""
+    """Environment and overrides of an 8-step separate_async run (a rollout worker sampling one batch ahead, so a
+    stop must also stop it and a resume must put back the group its checkpoint holds) that starts its own Prefect
+    API server and Ray cluster."""
+    from test_separate_async import ASYNC
+
     env = _env(PREFECT_HOME=str(tmp_path / "prefect-home"))
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_RESULTS_LOCAL_STORAGE_PATH", None)  # under this run's own PREFECT_HOME
-    return env, [*flow_overrides, f"trainer.default_local_dir={ckpt}", "trainer.total_epochs=4"]
+    return env, [*flow_overrides, *ASYNC, f"trainer.default_local_dir={ckpt}", "trainer.total_epochs=4"]
 
 
 def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flow_overrides, tmp_path):
     from omniflow.flows.runner import EXIT_API_DIED
 
-    from omni_core.checkpoint import find_latest, verify_checkpoint
+    from omni_core.checkpoint import find_latest, read_state, verify_checkpoint
 
     ckpt = tmp_path / "ckpt"
     env, overrides = _own_api_run(flow_overrides, tmp_path, ckpt)
@@ -64,6 +69,7 @@ def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flo
     spawned = _descendants(second.pid)
     names = " ".join(" ".join(p.cmdline()) for p in spawned if p.is_running())
     assert "raylet" in names and "prefect" in names and "server" in names  # what must go away
+    assert "RolloutWorker" in names  # the standalone rollout worker, sampling ahead while the trainer updates
 
     # The signal lands while the flow runs, where Prefect's engine turns it into a TerminationSignal and the
     # CLI reports an interruption: one path, one exit code.
@@ -77,3 +83,4 @@ def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flo
     latest = find_latest(ckpt)
     assert latest is not None and int(latest.name.removeprefix("global_step_")) > resumed_at, latest
     verify_checkpoint(latest)
+    assert read_state(latest, "rollout_queue")["groups"] == 1  # the next step's group, sampled ahead and recorded

@@ -199,34 +199,3 @@ def test_a_slow_prompt_group_is_dropped_or_waited_for(
         assert sum(dropped) == 0.0, dropped
         assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) <= 1.0
         assert max(r["timing_s/gen"] for r in records) > 4.0  # the step that waited for the slow group
-
-
-def test_sigterm_stops_the_rollout_pool_and_keeps_the_last_checkpoint(flow_overrides, tmp_path, prefect_api):
-    """`omniflow train` in separate_async mode stopped with SIGTERM (a shell's kill, a scheduler's stop) while its
-    rollout worker samples ahead: exit 130 with the interruption line, the worker's process gone with the run
-    (no generation left running), and the last checkpoint intact, with the group it recorded."""
-    import signal
-
-    from real_prefect import wait_gone
-    from test_cli_runs import _descendants, _env, _latest, _train, _wait_for
-
-    from omni_core.checkpoint import find_latest, read_state, verify_checkpoint
-
-    ckpt = tmp_path / "ckpt"
-    log = tmp_path / "run.log"
-    overrides = [*flow_overrides, *ASYNC, f"trainer.default_local_dir={ckpt}", "trainer.experiment_name=async-sigterm"]
-    proc = _train(overrides, _env(PREFECT_API_URL=prefect_api), log)
-    _wait_for(lambda: _latest(ckpt) == "1", proc, 600, log, poll_s=0.05)
-    spawned = [p for p in _descendants(proc.pid) if p.is_running()]
-    workers = [p for p in spawned if "RolloutWorker" in " ".join(p.cmdline())]
-    assert workers, [" ".join(p.cmdline())[:80] for p in spawned]
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=120)
-    text = log.read_text()
-    assert code == 130, text[-3000:]
-    assert "omniflow: interrupted; the last checkpoint is intact and the run's processes are stopped" in text, text[-3000:]
-    wait_gone(spawned, timeout_s=60)  # the rollout worker and every other process of the run
-    latest = find_latest(ckpt)
-    assert latest is not None, sorted(p.name for p in ckpt.iterdir())
-    verify_checkpoint(latest)
-    assert read_state(latest, "rollout_queue")["groups"] in (0, 1)
