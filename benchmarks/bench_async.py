@@ -22,11 +22,11 @@ local Ray cluster and TransferQueue as `make run` does.
 
 Measured per run, from its `metrics.jsonl` and a monitor thread (every `--sample-s`):
 - steady samples/s = samples of steps 2..N / the sum of their `timing_s/step`;
-- the same over the steps that are not the first of an epoch (separate_async drains its pipeline at each epoch
-  end, so an epoch's first step waits for a whole rollout);
+- the same over the steps that are not the first of an epoch (an epoch's checkpoint waits for the requests
+  queued, and before the queue was kept across epoch ends the pipeline drained there);
 - window samples/s = the same samples / the wall time between the appearance of step 1's record and the last
   step's record in `metrics.jsonl` (includes epoch boundaries: checkpoint, the next `fit_epoch` task, the async
-  pipeline's drain and refill, which step times leave out);
+  queue's record and put-back, which step times leave out);
 - CPU cores busy per role in that window (training actor, rollout workers, the rest of the run's process tree,
   and processes outside it), from the processes' own CPU times: an independent check of the idle shares;
 - idle shares: async logs `perf/idle_share/{training,rollout}`; for sync they follow from the step timing
@@ -297,8 +297,8 @@ def _window(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _without_epoch_starts(records: list[dict[str, Any]], steps_per_epoch: int) -> dict[str, Any]:
-    """samples/s over the steps that are not the first of an epoch: separate_async drains its pipeline at each
-    epoch end, so an epoch's first step waits for a whole rollout; the others show the pipelined rate."""
+    """samples/s over the steps that are not the first of an epoch (epoch boundaries hold the checkpoint's wait for
+    the queued requests and the next fit_epoch's start); the others show the pipelined rate."""
     kept = [r for r in records if (r["step"] - 1) % steps_per_epoch]
     seconds = sum(_step_s(r) for r in kept)
     return {
