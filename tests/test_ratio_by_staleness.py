@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from test_update import make_cfg
 from torch import nn
 
 from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, ppo_update
@@ -40,21 +41,6 @@ def table_step_fn(model: LogProbTable):
         return StepOutput(log_prob=log_prob, prev_sample_mean=log_prob.unsqueeze(-1), std_dev_t=1.0)
 
     return step_fn
-
-
-def make_cfg(**overrides) -> PPOUpdateConfig:
-    base = dict(
-        mini_batch_size=B,
-        micro_batch_size=2,
-        ppo_epochs=1,
-        clip_ratio=0.1,
-        adv_clip_max=5.0,
-        kl_coef=0.0,
-        grad_clip=1.0,
-        shuffle=False,
-        seed=0,
-    )
-    return PPOUpdateConfig(**{**base, **overrides})
 
 
 # Each sample's staleness (three levels, mixed inside every micro-batch of 2) and its ratios at window steps 0 and 1.
@@ -93,7 +79,9 @@ def ratio_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def test_ratio_statistics_per_staleness_level_match_the_hand_computation():
-    metrics, _ = run_update(table_batch(STALENESS), make_cfg())  # one mini-batch: every ratio is seen before its step
+    metrics, _ = run_update(
+        table_batch(STALENESS), make_cfg(clip_ratio=0.1)
+    )  # one mini-batch: every ratio is seen before its step
     expected = {f"{PREFIX}/{level}/{stat}": value for level, stats in BY_HAND.items() for stat, value in stats.items()}
     got = ratio_metrics(metrics)
     assert set(got) == set(expected)  # `:g` names: staleness_0, staleness_0.25, staleness_1

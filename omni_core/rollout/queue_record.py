@@ -100,7 +100,7 @@ def restore(checkpoint: str | Path, partition: str) -> int:
         by_tag[(int(tag["global_steps"]), None if version is None else int(version), tag["status"], tag.get("reason"))].append(
             uid
         )
-    for (step, version, status, reason), uids in sorted(by_tag.items(), key=lambda item: str(item[0])):
+    for (step, version, status, reason), uids in by_tag.items():
         tqc.put_prompts(partition, sorted(uids), step, model_version=version)
         tqc.set_prompt_status(partition, sorted(uids), status, reason)
     return len(prompts)
