@@ -2,7 +2,9 @@
 
 The baseline of the orchestration-overhead benchmark (`bench_flow.py`), and a quick way to try a
 config's learning dynamics: `python benchmarks/plain_loop.py [key=value ...] --steps 20`.
-One process: sample -> reward -> advantages -> old log-probs + PPO update, as the flow's step does.
+One process: sample -> reward -> advantages -> old log-probs + PPO update, as the flow's step does, with the
+flow's batching (one batch per prompt group) and thread counts (every core, in turn), so the rewards of every
+step equal the flow's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from omni_core.config import OmniFlowConfig, load_config
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import load_prompts
 from omni_core.rewards.manager import RewardManager
-from omni_core.rollout.sampler import generate
+from omni_core.rollout.sampler import generate_groups
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.workers.training_actor import TrainingActor
 
@@ -41,7 +43,8 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
         t0 = time.perf_counter()
         batch = loader.next_batch()
         with torch.no_grad():
-            traj = generate(
+            # One batch per prompt group, as the flow's rollout workers sample (the same rows whatever the layout).
+            traj = generate_groups(
                 policy,
                 [r.prompt for r in batch],
                 prompt_indices=list(range(len(batch))),

@@ -3,7 +3,9 @@
 The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
 
   1. validate_config      auto_set_device + validate_config + validate_attention_consistency
-  2. init_transfer_queue  Ray (join `ray_kwargs.ray_init.address` or start a local cluster) + tq.init
+  2. init_ray             Ray: join `ray_kwargs.ray_init.address` or start a local cluster; the resource check
+     init_transfer_queue  tq.init, submitted without waiting: its processes start while stages 3-6 load the
+                          data and the actors; the flow waits for it before stage 7
   3. build_trainer        get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config); called after stage 4,
                           since its run record carries the prompt-embeddings file
   4. load_tokenizer, prepare_dataset, prepare_prompt_embeddings   (cached across runs; the text encoders
@@ -32,6 +34,7 @@ from omniflow.tasks.build_trainer import build_trainer
 from omniflow.tasks.close_transfer_queue import close_transfer_queue
 from omniflow.tasks.fit_epoch import fit_epoch
 from omniflow.tasks.init_agent_loop import init_agent_loop
+from omniflow.tasks.init_ray import init_ray
 from omniflow.tasks.init_trainer import init_trainer
 from omniflow.tasks.init_transfer_queue import init_transfer_queue
 from omniflow.tasks.load_tokenizer import load_tokenizer
@@ -58,6 +61,8 @@ EPOCH_RESULT_TIMEOUT_S = 6 * 3600
 REWARD_WINDOW = 3  # steps averaged for the "first" and "last" reward of a run
 # New TransferQueues per epoch after a controller or storage unit died (each redoes the epoch from its checkpoint).
 MAX_TRANSFER_QUEUE_RESTARTS = 2
+# The TransferQueue's start (its processes on Ray; ~5-13 s on 2 cores) is bounded like every other wait.
+QUEUE_START_TIMEOUT_S = 600
 
 
 class TrainResult(BaseModel):
@@ -150,9 +155,10 @@ def main_diffusion_v1(
         # The resume point (manifest sizes, optimizer saved, same model / LoRA / dtype / world size) is checked
         # once this run holds the folder, before Ray starts; the trainer hashes every byte when it loads it.
         validate_resume(cfg)
-        owns_ray, trainer = False, None
+        owns_ray, trainer, queue = False, None, None
         try:
-            owns_ray = init_transfer_queue(cfg)
+            owns_ray = init_ray(cfg)
+            queue = init_transfer_queue.submit(cfg)
             tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
             train, val = prepare_dataset(cfg.data, tokenizer)
             embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)
@@ -160,9 +166,12 @@ def main_diffusion_v1(
             trainer = build_trainer(cfg, run)
             trainer = init_trainer(trainer, train, val)
             init_agent_loop(trainer)
+            queue.result(timeout=QUEUE_START_TIMEOUT_S)
             resume_from, start_step = trainer.resume_from, trainer.global_step
             epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.end_epoch)
         finally:
+            if queue is not None:
+                queue.wait(timeout=QUEUE_START_TIMEOUT_S)  # a start still running would race the close
             close_transfer_queue(trainer, owns_ray)
     result = summarize(run, epochs, resume_from, start_step)
     publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)

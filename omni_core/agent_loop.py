@@ -12,6 +12,7 @@ task on any Ray worker (`attach`), and stopped by `close`.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -19,12 +20,21 @@ import ray
 from omni_core.records import LogLine, WorkerNames
 from omni_core.rollout.request import RolloutRequest
 
-# torch threads of each rollout worker, the same whatever `rollout.agent.num_workers` is. CPU kernels round
-# differently per thread count (measured, torch 2.13 CPU on 2 cores: the VAE decode differs between 1 and 2
-# threads by up to 9e-7, enough to flip uint8 pixels and so the JPEG rewards; the tiny transformer's velocity
-# between 1 and 3 threads), so a count that follows the worker count (cores // workers) makes the trajectories,
-# and through Adam the trained weights, depend on it. One thread each: k workers keep k cores busy.
+# torch threads of each rollout worker when it samples alongside training (separate_async: a standalone worker
+# per core). CPU kernels round differently per thread count (measured, torch 2.13 CPU on 2 cores: the VAE decode
+# differs between 1 and 2 threads by up to 9e-7, enough to flip uint8 pixels and so the JPEG rewards; the tiny
+# transformer's velocity between 1 and 3 threads), so the count never follows the worker count: the same request
+# gives the same trajectories from one worker or several.
 ROLLOUT_WORKER_THREADS = 1
+
+
+def rollout_threads(standalone: bool) -> int:
+    """torch threads of every rollout worker. separate_async (`standalone`): `ROLLOUT_WORKER_THREADS`, since the
+    workers sample while the training ranks take the other cores. sync: the rollout and the update take turns
+    (colocated, as verl's hybrid engine), so each worker gets every core of its node, whatever
+    `rollout.agent.num_workers` is (the count must not follow the worker count, see above); with 1 thread the
+    rollout of the main job took 2.3 s instead of 1.3 s per step on 2 cores (`benchmarks/bench_flow.py`)."""
+    return ROLLOUT_WORKER_THREADS if standalone else os.cpu_count() or 1
 
 
 class AgentLoopManager:
@@ -42,7 +52,7 @@ class AgentLoopManager:
         self._weights: tuple[Any, int] | None = None
 
     @classmethod
-    def create(
+    def start(
         cls,
         config: dict[str, Any],
         names: WorkerNames,
@@ -52,8 +62,9 @@ class AgentLoopManager:
         max_restarts: int = 3,
     ) -> AgentLoopManager:
         """Start one rollout worker per entry of `options` (its Ray resources and placement; see
-        `omni_core.worker_pool.actor_options`), from the flow process, so they outlive any one task.
-        `num_threads` torch threads each: keep the default, or the trajectories depend on the worker count."""
+        `omni_core.worker_pool.actor_options`), from the flow process, so they outlive any one task, without
+        waiting for them: their imports and model loads overlap the training ranks' (`wait_ready` waits).
+        `num_threads` torch threads each: `rollout_threads`, never a count that follows the worker count."""
         from omni_core.workers.rollout_worker import RolloutWorker  # diffusers: only where workers start
 
         remote = ray.remote(RolloutWorker)
@@ -65,8 +76,26 @@ class AgentLoopManager:
             ).remote(config, i, num_threads, prompt_embeddings)
             for i, opts in enumerate(options)
         ]
-        ray.get([w.ping.remote() for w in workers], timeout=600)
         return cls(workers, names)
+
+    @classmethod
+    def create(
+        cls,
+        config: dict[str, Any],
+        names: WorkerNames,
+        options: list[dict[str, Any]],
+        num_threads: int = ROLLOUT_WORKER_THREADS,
+        prompt_embeddings: str | None = None,
+        max_restarts: int = 3,
+    ) -> AgentLoopManager:
+        """`start`, then `wait_ready`."""
+        manager = cls.start(config, names, options, num_threads, prompt_embeddings, max_restarts)
+        manager.wait_ready()
+        return manager
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait (bounded) until every worker has loaded its model and answers."""
+        ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
 
     @classmethod
     def attach(cls, names: WorkerNames, num_workers: int) -> AgentLoopManager:

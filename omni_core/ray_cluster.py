@@ -1,6 +1,6 @@
 """A run's Ray side: join `ray_kwargs.ray_init.address` or start a local cluster with enough logical
-CPUs, check the cluster against the run's resource budget, start the TransferQueue (`start_run_cluster`,
-verl-omni's `tq.init`), and stop it all again (`close_run`, verl-omni's `finally: tq.close()`).
+CPUs and check the cluster against the run's resource budget (`connect_run_cluster`), start the TransferQueue
+(`start_run_cluster`: both, verl-omni's `ray.init` + `tq.init`), and stop it all again (`close_run`, verl-omni's `finally: tq.close()`).
 
 `ray_kwargs.ray_init` reaches `ray.init` as verl passes it (`ray_init_kwargs`): every key for a local
 cluster, only `runtime_env` when joining one (validation refuses the cluster-shaping keys there); the
@@ -188,21 +188,19 @@ class RunCluster:
     auth_warning: str | None = None
 
 
-def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
+def connect_run_cluster(config: OmniFlowConfig) -> RunCluster:
     """Connect Ray, check that every node sees the run's folders (`shared_storage`, multi-node clusters only)
-    and that the cluster holds the run's resource budget, then start the TransferQueue.
+    and that the cluster holds the run's resource budget (the TransferQueue's reservations included).
 
     A failure after this call started a local cluster stops that cluster again, so a retry starts clean.
     """
     global _started_ray
     from omni_core.shared_storage import check_shared_storage
-    from omni_core.tq.client import init_transfer_queue
 
     _started_ray = connect_ray(config) or (_started_ray and ray.is_initialized())
     try:
         check_shared_storage(config)
         check_cluster_devices(config)
-        init_transfer_queue(config.transfer_queue)
     except BaseException:
         if _started_ray:
             ray.shutdown()
@@ -213,6 +211,24 @@ def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
         gcs = ray.get_runtime_context().gcs_address
         auth_warning = token_auth_warning(gcs) if accepts_unauthenticated_requests(gcs) else None
     return RunCluster(_started_ray, dashboard_url(), auth_warning)
+
+
+def start_run_cluster(config: OmniFlowConfig) -> RunCluster:
+    """`connect_run_cluster`, then the TransferQueue (verl-omni's `tq.init`); a failed TransferQueue start stops
+    a cluster this call started. The flow runs the two as separate stages, so that the TransferQueue's processes
+    start while the data and the actors load."""
+    global _started_ray
+    from omni_core.tq.client import init_transfer_queue
+
+    cluster = connect_run_cluster(config)
+    try:
+        init_transfer_queue(config.transfer_queue)
+    except BaseException:
+        if _started_ray:
+            ray.shutdown()
+            _started_ray = False
+        raise
+    return cluster
 
 
 def close_run(trainer: Any, owns_ray: bool) -> None:

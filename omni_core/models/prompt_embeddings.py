@@ -20,13 +20,14 @@ import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from omni_core.models.arch import ADAPTERS, ArchAdapter
-from omni_core.models.loader import SUPPORTED_PIPELINES, ModelLoadError, check_pipeline_folder, read_model_index
+if TYPE_CHECKING:
+    from omni_core.models.arch import ArchAdapter
 
 FORMAT = "omniflow-prompt-embeddings/1"
 # The pipeline components that turn text into embeddings (SD3: three encoders, FLUX: two).
@@ -48,6 +49,8 @@ def prompt_key(text: str) -> str:
 def text_component_dirs(model_path: str | Path) -> list[Path]:
     """The text-encoder and tokenizer folders of a saved pipeline (those ``model_index.json`` lists), sorted."""
     path = Path(model_path).expanduser()
+    from omni_core.models.loader import read_model_index  # diffusers: imported where a model is loaded, not here
+
     index = read_model_index(path)
     names = [
         name
@@ -89,6 +92,10 @@ def unique_prompts(prompts: Sequence[str]) -> list[str]:
 
 
 def _text_only_adapter(model_path: Path, architecture: str | None, device: str, torch_dtype: torch.dtype) -> ArchAdapter:
+    # diffusers only here: the flow process that finds the embeddings cached never imports it (~2 s on 2 cores).
+    from omni_core.models.arch import ADAPTERS
+    from omni_core.models.loader import SUPPORTED_PIPELINES, ModelLoadError, check_pipeline_folder
+
     name = check_pipeline_folder(model_path, architecture)
     try:
         pipe = SUPPORTED_PIPELINES[name].from_pretrained(

@@ -178,8 +178,8 @@ def init_transfer_queue(tq_cfg: Any) -> bool:
         check_ray_capacity(
             ray.available_resources(), int(conf.backend.SimpleStorage.num_data_storage_units), ray.cluster_resources()
         )
+    _owns_controller = True  # also when tq.init fails part-way: close_transfer_queue then stops what it started
     tq.init(conf)
-    _owns_controller = True
     return True
 
 

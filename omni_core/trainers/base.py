@@ -30,7 +30,7 @@ import ray
 import torch
 
 from omni_core import checkpoint as ckpt
-from omni_core.agent_loop import ROLLOUT_WORKER_THREADS, AgentLoopManager
+from omni_core.agent_loop import AgentLoopManager, rollout_threads
 from omni_core.algorithms.registry import get_adv_estimator
 from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
@@ -155,10 +155,28 @@ class PolicyGradientDiffusionTrainerV1:
         # get_if_exists (in `create`): actors of this run started by another handle are reused instead of failing
         # on "name already taken".
         # separate_async: the rollout workers keep sampling while the ranks train, so the ranks get the other cores.
-        busy_elsewhere = len(plan.rollout) * ROLLOUT_WORKER_THREADS if standalone_rollout(self.config) else 0
+        standalone = standalone_rollout(self.config)
+        busy_elsewhere = len(plan.rollout) * rollout_threads(standalone) if standalone else 0
         threads = cpu_threads(len(plan.training), busy_elsewhere)
         self.ranks = TrainingRanks.create(self.config, names, plan, options, self.total_training_steps, threads)
         self.actor = self.ranks.leader
+        self._start_agent_loop()  # the rollout workers load their model while the ranks load theirs
+
+    def _start_agent_loop(self) -> None:
+        """Start the rollout workers without waiting for them (`init_agent_loop` waits). A retried init keeps the
+        workers (and their owning handles) its failed try started."""
+        if self.agent_loop is not None:
+            return
+        plan = resource_plan(self.config)
+        pool = create_pool(plan, self.run.names)
+        options = [actor_options(pool, slot, plan) for slot in plan.rollout]
+        self.agent_loop = AgentLoopManager.start(
+            self.config.model_dump(mode="json"),
+            self.run.names,
+            options,
+            rollout_threads(standalone_rollout(self.config)),  # never follows agent.num_workers (see agent_loop)
+            self.run.prompt_embeddings,
+        )
 
     def _load_checkpoint(self) -> None:
         """Resume point of the run (`trainer.resume_mode`); the actor is reset to it.
@@ -184,17 +202,9 @@ class PolicyGradientDiffusionTrainerV1:
 
     def init_agent_loop(self) -> AgentLoopManager:
         """verl-omni's `init_agent_loop_manager()`: the rollout workers, given the current weights."""
-        if self.agent_loop is None:  # a retried init_agent_loop keeps the workers (and their owning handles) it started
-            plan = resource_plan(self.config)
-            pool = create_pool(plan, self.run.names)
-            options = [actor_options(pool, slot, plan) for slot in plan.rollout]
-            self.agent_loop = AgentLoopManager.create(
-                self.config.model_dump(mode="json"),
-                self.run.names,
-                options,
-                ROLLOUT_WORKER_THREADS,  # the same for any agent.num_workers: CPU kernels round by thread count
-                self.run.prompt_embeddings,
-            )
+        self._start_agent_loop()
+        assert self.agent_loop is not None
+        self.agent_loop.wait_ready()
         self._push_weights()
         return self.agent_loop
 
