@@ -77,7 +77,8 @@ class RolloutWorker:
         self.policy.transformer.eval()
         self.rewards = RewardManager(self.config.reward)
         self.version = 0
-        tqc.attach()
+        # The TransferQueue is joined at the first request (the flow starts the workers while it starts the queue).
+        self._joined_queue = False
 
     def ping(self) -> int:
         return self.index
@@ -92,6 +93,7 @@ class RolloutWorker:
     def attach_transfer_queue(self) -> None:
         """Join the cluster's TransferQueue (again, after a restart: the client of the dead one is dropped)."""
         tqc.attach()
+        self._joined_queue = True
 
     def placement(self) -> dict[str, Any]:
         """Where this worker's modules are and in what dtype (for the placement tests and the dashboard)."""
@@ -113,6 +115,8 @@ class RolloutWorker:
             import ray
 
             self.set_weights(ray.get(request.weights), request.weights_version)
+        if not self._joined_queue:
+            self.attach_transfer_queue()
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
         records = [it.record for it in items]
         try:
