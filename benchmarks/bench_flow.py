@@ -506,7 +506,12 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": plain["wall_s"],
             "wall_images_per_s": plain_steady["images_total"] / plain["wall_s"],
             "steady_state": plain_steady,
-            "mean_s_steps_2_to_n": {"gen": _mean(plain_records, "gen_s"), "update": _mean(plain_records, "update_s")},
+            "mean_s_steps_2_to_n": {
+                "gen": _mean(plain_records, "gen_s"),
+                "update": _mean(plain_records, "update_s"),
+                "old_log_prob": _mean(plain_records, "timing_s/old_log_prob"),
+                "update_actor": _mean(plain_records, "timing_s/update_actor"),
+            },
             "command_to_step1_done_s": plain["marks"].get("first_step", {}).get("t_s"),
             "reward_mean_first_last": [plain_records[0]["reward_mean"], plain_records[-1]["reward_mean"]],
             "memory": plain["memory"],
@@ -530,6 +535,23 @@ def main(argv: list[str] | None = None) -> int:
                 else None
             ),
         }
+        # Phase by phase, mean seconds of steps 2..N: where the flow's extra time goes.
+        flow_t, plain_t = flow_result["mean_timing_s_steps_2_to_n"], plain_result["mean_s_steps_2_to_n"]
+        phases = {
+            "gen (rollout + reward + TQ put + replay-buffer wait)": [flow_t.get("gen"), plain_t["gen"]],
+            "old_log_prob (incl. the TQ get of the batch)": [flow_t.get("old_log_prob"), plain_t["old_log_prob"]],
+            "update_actor": [flow_t.get("update_actor"), plain_t["update_actor"]],
+            "update_weights (push to the rollout workers)": [flow_t.get("update_weights"), 0.0],
+            "step": [flow_t.get("step"), plain_steady["steady_step_s_mean"]],
+        }
+        peak_pss = flow["memory"]["peak_pss_sum_mb"]
+        targets = {
+            "steady_flow_over_plain_at_least_0.95": {"value": ratios["steady_images_per_s_flow_over_plain"], "target": 0.95},
+            "command_to_first_step_done_s_at_most_25": {"value": first_t, "target": 25.0},
+            "peak_pss_mb_at_most_2048": {"value": peak_pss, "target": 2048.0},
+        }
+        for name, t in targets.items():
+            t["met"] = None if t["value"] is None else (t["value"] >= t["target"] if "at_least" in name else t["value"] <= t["target"])
         rollout, batch = cfg.actor_rollout_ref.rollout, cfg.data.train_batch_size
         result = {
             "benchmark": "omniflow.flow_vs_plain",
@@ -561,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             "flow": flow_result,
             "plain": plain_result,
             "ratio": ratios,
+            "phases_s_flow_plain": phases,
+            "targets": targets,
             "wall_s": round(time.monotonic() - started, 1),
         }
         out = Path(args.out)
@@ -596,6 +620,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  other processes' CPU share: flow {flow['other_processes_cpu_share']}, plain {plain['other_processes_cpu_share']}"
         )
+        print("  phase (mean s, steps 2..N): flow / plain")
+        for name, (f, p) in phases.items():
+            print(f"    {name}: {f if f is None else round(f, 3)} / {p if p is None else round(p, 3)}")
+        print("  targets: " + ", ".join(f"{k} {'met' if t['met'] else 'NOT met'} ({t['value']})" for k, t in targets.items()))
         print(f"  written to {out}")
         return 0
     finally:

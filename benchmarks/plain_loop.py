@@ -69,7 +69,7 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
                 "update_s": t2 - t1,
                 "step_s": t2 - t0,
                 "images": traj.batch_size,
-                **{k: v for k, v in metrics.items() if k.startswith("actor/")},
+                **{k: v for k, v in metrics.items() if k.startswith(("actor/", "timing_s/"))},
             }
         )
         print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in out[-1].items()}), flush=True)
