@@ -10,11 +10,16 @@ Measures, with omni_core components only and at one fixed configuration (the pro
 - the transformer's achieved GFLOP/s for one forward + backward on the training micro-batch
   (FLOPs from ``torch.utils.flop_counter.FlopCounterMode``), a fp32 matmul peak measured in the
   same run, and their ratio;
-- the first on-policy ratio mean (exactly 1.0 when old log-probs are recomputed in fp32).
+- the first on-policy ratio mean (exactly 1.0 when old log-probs are recomputed in fp32);
+- the rollout's achieved GFLOP/s: FLOPs of one ``generate`` call over the rollout's median time;
+- ``plain_vs_reference``: omni_core's plain loop (``benchmarks/plain_loop.py``) against the hand-written
+  Flow-GRPO loop (``benchmarks/reference_loop.py``: torch + diffusers only) at equal work, each in its own
+  subprocess, at the defaults and with 9 trained window steps; steady samples/s = median over steps 2..N;
+- ``targets``: plain / reference >= 1.5 per config, transformer fwd+bwd >= 0.5 of the matmul peak (issue 14).
 
 Each timed quantity is the median of ``--repeats`` runs after one warm-up; every run is kept.
 
-    python benchmarks/bench_core.py [--out benchmarks/results/core.json] [--quick]
+    python benchmarks/bench_core.py [--out benchmarks/results/core.json] [--quick] [--compare-steps N] [--compare-rounds R]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +46,7 @@ if str(REPO) not in sys.path:
 
 from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages  # noqa: E402
 from omni_core.config import OmniFlowConfig, load_config, to_flat_dict  # noqa: E402
+from omni_core.data.prompts import load_prompts  # noqa: E402
 from omni_core.models.policy import FlowPolicy  # noqa: E402
 from omni_core.models.tiny import build_tiny_pipeline  # noqa: E402
 from omni_core.rewards.manager import RewardManager  # noqa: E402
@@ -48,7 +55,7 @@ from omni_core.rollout.sampling_params import SamplingParams  # noqa: E402
 from omni_core.rollout.trajectory import Trajectory  # noqa: E402
 from omni_core.workers.training_actor import TrainingActor  # noqa: E402
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rollout_gflops, plain_vs_reference, targets
 
 # The fixed workload (the "fair benchmark" of reference/diffusion-rl.md §6.4 with an SDE window of 2):
 # the project's defaults (omni_core/config/defaults.yaml: 2 prompts x 8 samples, 64 px, 10 steps,
@@ -112,8 +119,9 @@ def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1, setup: Call
 class OtherCpuLoad:
     """Share of the machine's CPU time that other processes used while a block ran (Linux ``/proc/stat``).
 
-    ``busy - own`` over all CPUs' ticks: 0 on a quiet machine, about 0.5 when another process kept one
-    of two cores busy. ``value`` stays None where ``/proc/stat`` is missing.
+    ``busy - own`` over all CPUs' ticks, own = this process and the children it waited for in the block: 0 on
+    a quiet machine, about 0.5 when another process kept one of two cores busy. ``value`` stays None where
+    ``/proc/stat`` is missing.
     """
 
     def __init__(self) -> None:
@@ -131,8 +139,9 @@ class OtherCpuLoad:
 
     @staticmethod
     def _own_s() -> float:
+        # Children waited for inside the block (the subprocess runs of `plain_vs_reference`) count as own.
         t = os.times()
-        return t.user + t.system
+        return t.user + t.system + t.children_user + t.children_system
 
     def __enter__(self) -> OtherCpuLoad:
         self._start, self._own = self._ticks(), self._own_s()
@@ -161,6 +170,25 @@ def bench_rollout(policy: FlowPolicy, config: OmniFlowConfig, repeats: int) -> t
     stats["images"] = traj.batch_size
     stats["images_per_s"] = traj.batch_size / stats["median_s"]
     return traj, stats
+
+
+def bench_rollout_flops(policy: FlowPolicy, config: OmniFlowConfig, rollout: dict[str, Any]) -> dict[str, Any]:
+    """FLOPs of one training ``generate`` call (text encoders, 10 transformer forwards, VAE decode), untimed,
+    over the rollout's median time from ``bench_rollout``: the rollout's achieved GFLOP/s."""
+    kwargs = SamplingParams.for_training(config.actor_rollout_ref.rollout).generate_kwargs(global_step=0)
+    counter = FlopCounterMode(display=False, custom_mapping=_flop_mapping())
+    with counter:
+        generate(policy, PROMPTS, prompt_indices=list(range(len(PROMPTS))), **kwargs)
+    flops = counter.get_total_flops()
+    counts = counter.get_flop_counts()
+    by_module = {name: int(sum(ops.values())) for name, ops in counts.items() if name != "Global" and "." not in name}
+    return {
+        "flops": flops,
+        "flops_by_module": by_module,
+        "flops_by_op": {str(k): int(v) for k, v in sorted(counts["Global"].items(), key=lambda kv: -kv[1])},
+        "rollout_median_s": rollout["median_s"],
+        "gflops_per_s": flops / rollout["median_s"] / 1e9,
+    }
 
 
 def bench_reward(images: torch.Tensor, repeats: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -282,6 +310,187 @@ def bench_matmul_peak(sizes: list[int], tries: int) -> dict[str, Any]:
     return {"sizes": sizes, "tries_per_size": tries, "per_size": per_size, "peak_gflops_per_s": best}
 
 
+# ------------------------------------------------------------------------------------------ plain vs reference
+# Issue 14 target 4: omni_core's plain loop vs a hand-written Flow-GRPO loop at equal work. Equal work: same
+# model folder, prompts, shapes, fp32, torch threads (both call torch.set_num_threads(os.cpu_count())), the same
+# number of transformer calls per step (num_steps rollout forwards of B samples, B x W trained fwd+bwd, one AdamW
+# step per mini-batch) and the same old-log-prob policy: the reference trains against the rollout's log-probs,
+# as the plain loop does with bypass_mode=true. The plain loop's default (recompute: B x W more no-grad
+# forwards) is reported beside it.
+COMPARE_CONFIGS: dict[str, list[str]] = {
+    "defaults": [],
+    "window_9": ["actor_rollout_ref.rollout.algo.sde_window_size=9", "actor_rollout_ref.rollout.algo.sde_window_range=[0,9]"],
+}
+BYPASS = "algorithm.rollout_correction.bypass_mode=true"
+PLAIN_OVER_REFERENCE_TARGET = 1.5
+FWD_BWD_OVER_PEAK_TARGET = 0.5
+
+
+def reference_flags(config: OmniFlowConfig, prompts_file: Path) -> list[str]:
+    """The reference loop's command-line flags for `config` (read from it: no second copy of the defaults).
+
+    Refuses what the reference does not implement, so that a comparison is never silently unequal."""
+    arr = config.actor_rollout_ref
+    pipe, algo, actor = arr.rollout.pipeline, arr.rollout.algo, arr.actor
+    fp32 = {"fp32", "float32"}
+    supported = {  # key: (value, the values the reference implements)
+        "actor_rollout_ref.rollout.pipeline.guidance_scale": (pipe.guidance_scale, {1.0}),
+        "actor_rollout_ref.rollout.algo.sde_type": (algo.sde_type, {"sde"}),
+        "actor_rollout_ref.actor.use_kl_loss": (actor.use_kl_loss, {False}),
+        "actor_rollout_ref.actor.ppo_epochs": (actor.ppo_epochs, {1}),
+        "actor_rollout_ref.actor.shuffle": (actor.shuffle, {False}),
+        "actor_rollout_ref.model.lora_rank": (arr.model.lora_rank, {0}),
+        "actor_rollout_ref.model.enable_gradient_checkpointing": (arr.model.enable_gradient_checkpointing, {False}),
+        "actor_rollout_ref.actor.strategy": (actor.strategy, {"torch"}),
+        "actor_rollout_ref.rollout.dtype": (arr.rollout.dtype, fp32),
+        "actor_rollout_ref.actor.fsdp_config.dtype": (actor.fsdp_config.dtype, fp32),
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": (actor.optim.lr_scheduler_type, {"constant"}),
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": (actor.optim.lr_warmup_steps, {-1, 0}),
+        "algorithm.global_std": (config.algorithm.global_std, {True}),
+        "algorithm.norm_adv_by_std_in_grpo": (config.algorithm.norm_adv_by_std_in_grpo, {True}),
+        # The reference scores jpeg_compressibility only: the plain loop's default picks it by each prompt's data source.
+        "reward.reward_functions": (
+            tuple((f.name, f.path, f.weight) for f in config.reward.reward_functions),
+            {(), (("jpeg_compressibility", None, 1.0),)},
+        ),
+        "reward.custom_reward_function.path": (config.reward.custom_reward_function.path, {None}),
+    }
+    wrong = {key: value for key, (value, allowed) in supported.items() if value not in allowed}
+    if wrong or algo.sde_window_size is None:
+        raise ValueError(
+            f"benchmarks/reference_loop.py does not implement {wrong or 'sde_window_size=null'}; compare at other settings"
+        )
+    lo, hi = algo.sde_window_range or (0, pipe.num_inference_steps - 1)
+    flags = {
+        "--model-path": arr.model.path,
+        "--prompts-file": prompts_file,
+        "--prompts-per-step": config.data.train_batch_size,
+        "--n": arr.rollout.n,
+        "--height": pipe.height,
+        "--width": pipe.width,
+        "--num-steps": pipe.num_inference_steps,
+        "--noise-level": algo.noise_level,
+        "--window-size": algo.sde_window_size,
+        "--max-sequence-length": pipe.max_sequence_length,
+        "--lr": actor.optim.lr,
+        "--weight-decay": actor.optim.weight_decay,
+        "--betas": tuple(actor.optim.betas),
+        "--grad-clip": actor.grad_clip,
+        "--clip-ratio": actor.diffusion_loss.clip_ratio,
+        "--adv-clip-max": actor.diffusion_loss.adv_clip_max,
+        "--mini-batch-prompts": actor.ppo_mini_batch_size,
+        "--micro-batch": actor.ppo_micro_batch_size_per_gpu,
+        "--seed": arr.rollout.seed or 0,
+        "--window-range": (lo, hi),
+    }
+    return [str(x) for key, value in flags.items() for x in (key, *(value if isinstance(value, tuple) else (value,)))]
+
+
+def equal_work(config: OmniFlowConfig) -> dict[str, int]:
+    """Transformer calls of one training step, the same in both loops (old-log-prob forwards: recompute only)."""
+    arr = config.actor_rollout_ref
+    batch = config.data.train_batch_size * arr.rollout.n
+    window = arr.rollout.algo.sde_window_size
+    return {
+        "samples": batch,
+        "rollout_forwards": arr.rollout.pipeline.num_inference_steps,  # each on the whole batch
+        "trained_transitions": batch * window,  # one fwd+bwd each, in micro-batches
+        "micro_batch": arr.actor.ppo_micro_batch_size_per_gpu,
+        "optimizer_steps": batch // (arr.actor.ppo_mini_batch_size * arr.rollout.n),
+        "old_log_prob_forwards_recompute_only": batch * window,
+    }
+
+
+def run_loop(command: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run one loop as a subprocess; its per-step JSON lines, steady-state samples/s (median over steps 2..N)."""
+    with OtherCpuLoad() as load:
+        t0 = time.perf_counter()
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    steady = steps[1:] or steps  # step 1 warms up (first calls, allocator); a 1-step run has only that
+    rate = [s["images"] / s["step_s"] for s in steady]
+    ratio = steps[0].get("actor/ratio_mean", steps[0].get("ratio_mean"))
+    return {
+        "command": [Path(c).name if i == 1 else c for i, c in enumerate(command)],
+        "steady_samples_per_s": statistics.median(rate),
+        "steady_step_s": statistics.median(s["step_s"] for s in steady),
+        "steady_gen_s": statistics.median(s["gen_s"] for s in steady),
+        "steady_update_s": statistics.median(s["update_s"] for s in steady),
+        "first_ratio_mean": ratio,
+        "reward_mean_per_step": [s["reward_mean"] for s in steps],
+        "steps": steps,
+        "wall_s": wall,
+        "other_processes_cpu_share": load.value,
+    }
+
+
+def plain_vs_reference(model_path: Path, steps: int, rounds: int, tmp: Path, timeout_s: float = 1800) -> dict[str, Any]:
+    """Per config of ``COMPARE_CONFIGS``: ``rounds`` runs each of the reference loop and the plain loop (bypass and
+    recompute), each run its own subprocess, and the ratios plain / reference with the 1.5 target.
+
+    Other processes on the machine only ever slow a run down, and on 2 cores by up to 10x (two OpenMP threads
+    collapse when a foreign process takes a core): each loop's figure is its best round, and the run order
+    alternates between rounds and configs so that a burst of load does not always hit the same loop.
+    """
+    out: dict[str, Any] = {
+        "steps": steps,
+        "rounds": rounds,
+        "steady_state": "median over steps 2..N of images / step_s, per run; per loop the best of its rounds",
+        "torch_threads": os.cpu_count(),
+        "configs": {},
+    }
+    for k, (name, extra) in enumerate(COMPARE_CONFIGS.items()):
+        overrides = [f"actor_rollout_ref.model.path={model_path}", *extra]
+        config = load_config(overrides=overrides)
+        data = config.data
+        records = load_prompts(data.train_files if isinstance(data.train_files, str) else list(data.train_files))
+        prompts_file = tmp / f"prompts_{name}.txt"
+        prompts_file.write_text("".join(r.prompt.replace("\n", " ") + "\n" for r in records))
+        plain = [sys.executable, str(REPO / "benchmarks" / "plain_loop.py"), *overrides, "--steps", str(steps)]
+        commands = {
+            "reference": [sys.executable, str(REPO / "benchmarks" / "reference_loop.py"), *reference_flags(config, prompts_file)]
+            + ["--steps", str(steps)],
+            "plain_bypass": plain[:2] + [BYPASS] + plain[2:],
+            "plain_recompute": plain,
+        }
+        runs: dict[str, list[dict[str, Any]]] = {run: [] for run in commands}
+        orders = []
+        for r in range(rounds):
+            order = list(commands) if (k + r) % 2 == 0 else list(reversed(commands))
+            orders.append(order)
+            for run in order:
+                runs[run].append(run_loop(commands[run], timeout_s))
+                share = runs[run][-1]["other_processes_cpu_share"]
+                print(
+                    f"  {name:9s} round {r + 1} {run:15s} {runs[run][-1]['steady_samples_per_s']:.2f} samples/s"
+                    f"  (other CPU share {share if share is None else round(share, 2)})",
+                    flush=True,
+                )
+        best = {run: max(x["steady_samples_per_s"] for x in results) for run, results in runs.items()}
+        bypass = best["plain_bypass"] / best["reference"]
+        out["configs"][name] = {
+            "overrides": extra,
+            "work_per_step": equal_work(config),
+            "run_order": orders,
+            "steady_samples_per_s": best,
+            "plain_over_reference": {
+                "equal_work_bypass": bypass,
+                "default_recompute": best["plain_recompute"] / best["reference"],
+                "equal_work_bypass_per_round": [
+                    a["steady_samples_per_s"] / b["steady_samples_per_s"]
+                    for a, b in zip(runs["plain_bypass"], runs["reference"], strict=True)
+                ],
+                "target": PLAIN_OVER_REFERENCE_TARGET,
+                "met": bypass >= PLAIN_OVER_REFERENCE_TARGET,
+            },
+            "runs": runs,
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------------------ main
 def _versions() -> dict[str, str]:
     import diffusers
@@ -313,12 +522,26 @@ def _machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "core.json"), help="JSON result path")
-    parser.add_argument("--quick", action="store_true", help="smoke run: fewer repeats, smaller matmuls (~30 s)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: fewer repeats and loop steps, smaller matmuls")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; 3 with --quick)")
+    parser.add_argument(
+        "--compare-steps",
+        type=int,
+        default=None,
+        help="training steps per loop run of plain_vs_reference (default 5; 2 with --quick; 0 skips the comparison)",
+    )
+    parser.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=None,
+        help="runs per loop in plain_vs_reference, best kept (default 2; 1 with --quick)",
+    )
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 5)
-    if repeats < 1:
-        parser.error("--repeats must be >= 1")
+    compare_steps = args.compare_steps if args.compare_steps is not None else (2 if args.quick else 5)
+    compare_rounds = args.compare_rounds or (1 if args.quick else 2)
+    if repeats < 1 or compare_steps < 0 or compare_rounds < 1:
+        parser.error("--repeats and --compare-rounds must be >= 1, --compare-steps >= 0")
 
     started = time.perf_counter()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -339,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         with OtherCpuLoad() as load:
             traj, rollout = bench_rollout(policy, config, repeats)
         loads["rollout"] = load.value
+        rollout_flops = bench_rollout_flops(policy, config, rollout)
         with OtherCpuLoad() as load:
             scores, reward = bench_reward(traj.images, max(repeats, 10))
         loads["reward"] = load.value
@@ -352,9 +576,25 @@ def main(argv: list[str] | None = None) -> int:
         with OtherCpuLoad() as load:
             matmul = bench_matmul_peak([1024, 1536] if args.quick else [1024, 1536, 2048], 3 if args.quick else 5)
         loads["matmul_peak"] = load.value
+        del actor, policy  # the loops below run in their own processes
+        comparison = {"skipped": "--compare-steps 0"}
+        if compare_steps:
+            comparison = plain_vs_reference(path, compare_steps, compare_rounds, Path(tmp))
 
     step_s = rollout["median_s"] + reward["median_s"] + train["old_log_prob"]["median_s"] + train["ppo_update"]["median_s"]
     ratio = fwd_bwd["gflops_per_s"] / matmul["peak_gflops_per_s"]
+    rollout_flops["over_matmul_peak"] = rollout_flops["gflops_per_s"] / matmul["peak_gflops_per_s"]
+    targets: dict[str, Any] = {
+        "transformer_fwd_bwd_over_matmul_peak": {
+            "value": ratio,
+            "target": FWD_BWD_OVER_PEAK_TARGET,
+            "met": ratio >= FWD_BWD_OVER_PEAK_TARGET,
+        }
+    }
+    for name, cmp in comparison.get("configs", {}).items():
+        targets[f"plain_over_reference/{name}"] = {
+            k: cmp["plain_over_reference"][k] for k in ("equal_work_bypass", "target", "met")
+        }
     machine["loadavg_end"] = list(os.getloadavg())
     # Noise indicator: CPU share other processes took during each phase (0 = quiet machine).
     machine["other_processes_cpu_share"] = loads
@@ -362,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "omniflow.core",
         "schema_version": SCHEMA_VERSION,
         "mode": "quick" if args.quick else "default",
-        "command": "python benchmarks/bench_core.py" + (" --quick" if args.quick else "") + f" --out {args.out}",
+        "command": " ".join(["python", "benchmarks/bench_core.py", *(argv if argv is not None else sys.argv[1:])]),
         "repeats": repeats,
         "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": _versions(),
@@ -378,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_peak": matmul,
         "transformer_gflops_over_matmul_peak": ratio,
         "first_on_policy_ratio_mean": train["ratio_mean_per_update"][0],
+        "rollout_gflops": rollout_flops,
+        "plain_vs_reference": comparison,
+        "targets": targets,
         "derived": {
             "step_s": step_s,
             "end_to_end_samples_per_s": traj.batch_size / step_s,
@@ -397,11 +640,20 @@ def main(argv: list[str] | None = None) -> int:
         f"update    {train['ppo_update']['samples_per_s']:.2f} samples/s  (median {train['ppo_update']['median_s']:.3f} s)\n"
         f"end2end   {result['derived']['end_to_end_samples_per_s']:.2f} samples/s  (step {step_s:.2f} s)\n"
         f"fwd+bwd   {fwd_bwd['flops'] / 1e9:.2f} GFLOP in {fwd_bwd['median_s'] * 1e3:.1f} ms = {fwd_bwd['gflops_per_s']:.1f} GFLOP/s\n"
-        f"matmul    peak {matmul['peak_gflops_per_s']:.1f} GFLOP/s  -> transformer / peak = {ratio:.3f}\n"
+        f"matmul    peak {matmul['peak_gflops_per_s']:.1f} GFLOP/s  -> transformer / peak = {ratio:.3f} (target >= 0.5)\n"
+        f"rollout   {rollout_flops['flops'] / 1e9:.1f} GFLOP per generate = {rollout_flops['gflops_per_s']:.1f} GFLOP/s "
+        f"({rollout_flops['over_matmul_peak']:.3f} of the peak)\n"
         f"ratio     first on-policy ratio mean = {result['first_on_policy_ratio_mean']!r}\n"
         f"load      {machine['loadavg_start'][0]:.2f} -> {machine['loadavg_end'][0]:.2f}; other processes' CPU share "
         f"{ {k: None if v is None else round(v, 2) for k, v in loads.items()} }; wall {result['wall_s']:.1f} s"
     )
+    for name, cmp in comparison.get("configs", {}).items():
+        rate, ratios = cmp["steady_samples_per_s"], cmp["plain_over_reference"]
+        print(
+            f"{name:9s} reference {rate['reference']:.2f}, plain bypass {rate['plain_bypass']:.2f}, plain recompute "
+            f"{rate['plain_recompute']:.2f} samples/s -> plain/reference {ratios['equal_work_bypass']:.2f} at equal work "
+            f"(recompute {ratios['default_recompute']:.2f}); target 1.5 {'met' if ratios['met'] else 'not met'}"
+        )
     return 0
 
 
