@@ -182,6 +182,11 @@ def main_diffusion_v1(
             embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)
             run = dataclasses.replace(run, prompt_embeddings=embeddings)
             trainer = build_trainer(cfg, run)
+            if not owns_ray:
+                # A joined (multi-node) cluster: the TransferQueue is placed before the run's actors, as verl-omni
+                # orders it; started at once, the actors' placement group could take the CPUs of the node where a
+                # storage unit must go, and tq.init would wait forever. A local cluster is one node: no such risk.
+                queue.result(timeout=QUEUE_START_TIMEOUT_S)
             trainer = init_trainer(trainer, train, val)
             init_agent_loop(trainer)
             queue.result(timeout=QUEUE_START_TIMEOUT_S)
