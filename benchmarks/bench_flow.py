@@ -551,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
             "peak_pss_mb_at_most_2048": {"value": peak_pss, "target": 2048.0},
         }
         for name, t in targets.items():
-            t["met"] = None if t["value"] is None else (t["value"] >= t["target"] if "at_least" in name else t["value"] <= t["target"])
+            t["met"] = (
+                None if t["value"] is None else (t["value"] >= t["target"] if "at_least" in name else t["value"] <= t["target"])
+            )
         rollout, batch = cfg.actor_rollout_ref.rollout, cfg.data.train_batch_size
         result = {
             "benchmark": "omniflow.flow_vs_plain",

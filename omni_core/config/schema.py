@@ -163,6 +163,7 @@ _a = _Section("actor_rollout_ref.actor")
 
 class ActorConfig(ConfigModel):
     strategy: Literal["torch", "ddp", "fsdp2"] = _a("strategy")
+    use_torch_compile: bool = _a("use_torch_compile")
     ppo_mini_batch_size: PositiveInt = _a("ppo_mini_batch_size")
     ppo_micro_batch_size_per_gpu: PositiveInt = _a("ppo_micro_batch_size_per_gpu")
     ppo_epochs: PositiveInt = _a("ppo_epochs")
@@ -247,6 +248,7 @@ class RolloutConfig(ConfigModel):
     seed: int | None = _ro("seed")
     dtype: DtypeName = _ro("dtype")
     rollout_attn_backend: str = _ro("rollout_attn_backend")
+    use_torch_compile: bool = _ro("use_torch_compile")
     calculate_log_probs: bool = _ro("calculate_log_probs")
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = _ro("log_prob_micro_batch_size_per_gpu")
     nnodes: NonNegInt = _ro("nnodes")

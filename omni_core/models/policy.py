@@ -13,6 +13,13 @@ bf16/fp16 base). ``compute_dtype`` runs the transformer forward under ``torch.au
 ``actor.fsdp_config.dtype``); the velocity comes back fp32, so the SDE step and log-probs stay fp32.
 Prompts are embedded by the text encoders, or looked up in a ``PromptEmbeddings`` file computed once per
 prompt set (then the text encoders need not be loaded at all: ``text_encoders=False``).
+
+``enable_torch_compile`` (``actor.use_torch_compile`` / ``rollout.use_torch_compile``) runs every transformer
+forward of ``velocity`` through ``torch.compile`` from then on: the trained transformer (peft-wrapped under
+LoRA), the module ``forward_through`` names (DDP) and the frozen reference copy, each wrapped once and sharing
+its parameters with the eager module (weights loaded later are seen). ``dynamic=False``: one graph per input
+shape, grad mode and train / eval mode (Dynamo's guards), the inputs made contiguous first so that a strided
+view (a window step of stored latents) and a fresh tensor of the same shape share a graph.
 """
 
 from __future__ import annotations
@@ -23,11 +30,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from omni_core.models import lora
 from omni_core.models.arch import adapter_for
 from omni_core.models.loader import load_pipeline
 from omni_core.sde import Generators, randn_per_sample
+
+# Graphs Dynamo may keep per compiled code object before it falls back to eager for good (its default, 8, can be
+# reached: the forward of one transformer class serves rollout, old log-prob, update, reference and validation
+# batches, each a shape x grad mode x train/eval mode x LoRA adapters on/off).
+COMPILE_RECOMPILE_LIMIT = 64
 
 
 class FlowPolicy:
@@ -62,6 +75,9 @@ class FlowPolicy:
         self.device = torch.device(device)
         self.dtype = dtype
         self._forward_module: torch.nn.Module | None = None  # see `forward_through`
+        self.torch_compile, self._compile_options = False, {}  # see `enable_torch_compile`
+        # role ("trained", "wrapped": forward_through's, "reference") -> (the eager module, its torch.compile wrapper)
+        self._compiled: dict[str, tuple[nn.Module, nn.Module]] = {}
         self.compute_dtype = compute_dtype if compute_dtype not in (None, dtype) else None
         is_lora = bool(lora_rank or lora_adapter_path)
         if trainable and not is_lora and dtype != torch.float32:
@@ -133,6 +149,51 @@ class FlowPolicy:
     def is_lora(self) -> bool:
         return self.lora_config is not None
 
+    def enable_torch_compile(self, dynamic: bool = False, backend: str = "inductor") -> None:
+        """Run the transformer forwards of `velocity` through `torch.compile(module, dynamic=..., backend=...)` from now on.
+
+        `dynamic=False` (what the config keys use): the first forward of each new shape / grad mode / train-eval mode
+        compiles (tens of seconds on CPU); `dynamic=True` compiles shape-generic graphs (benchmarks/bench_compile.py
+        compares the two). Inductor caches the kernels in `TORCHINDUCTOR_CACHE_DIR` (default
+        `/tmp/torchinductor_$USER`), so a second process compiles faster. Dynamo's recompile limit is raised to
+        `COMPILE_RECOMPILE_LIMIT` for this process. `backend`: torch.compile's (`aot_eager` traces the same graphs
+        without generating kernels, for quick checks). Calling it again replaces the wrappers made so far.
+        """
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
+        self.torch_compile, self._compile_options = True, {"dynamic": dynamic, "backend": backend}
+        self._compiled.clear()
+        self._maybe_compiled("trained", self.transformer)  # compiles nothing until its first call
+
+    def compiled_modules(self) -> dict[str, nn.Module]:
+        """The torch.compile wrappers made so far, by role: "trained" (the transformer, peft model under LoRA),
+        "wrapped" (the module `forward_through` named, e.g. DDP) and "reference" (the frozen KL reference)."""
+        return {role: compiled for role, (_, compiled) in self._compiled.items()}
+
+    def _maybe_compiled(self, role: str, module: nn.Module) -> nn.Module:
+        """`module`, or with torch.compile on its compiled wrapper (made once per module and role; a new module in
+        the role, e.g. a new DDP wrapper after the ranks' group formed again, replaces the old wrapper)."""
+        if not self.torch_compile:
+            return module
+        entry = self._compiled.get(role)
+        if entry is None or entry[0] is not module:
+            entry = (module, torch.compile(module, **self._compile_options))
+            self._compiled[role] = entry
+        return entry[1]
+
+    @staticmethod
+    def torch_compile_stats() -> dict[str, int]:
+        """This process's torch.compile counters (Dynamo keeps them per process, over every compiled module):
+        frames compiled, graphs made (one per compile or recompile) and graph breaks."""
+        from torch._dynamo.utils import counters
+
+        return {
+            "frames_compiled": int(counters["frames"]["ok"]),
+            "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+        }
+
     def ensure_reference(self) -> None:
         """Make the frozen reference model if one is needed (full fine-tuning only; LoRA disables adapters)."""
         if not self.is_lora and self._reference is None:
@@ -203,30 +264,41 @@ class FlowPolicy:
         batch = latents.shape[0]
         do_cfg = guidance_scale > 1.0 and "negative_prompt_embeds" in cond
         x = latents.to(self.device, self.dtype)
-        t = torch.as_tensor(timesteps, device=self.device).float().reshape(-1).expand(batch)
+        t = torch.as_tensor(timesteps, device=self.device).float().reshape(-1).expand(batch).to(self.dtype)
         fwd_cond = {k: cond[k].to(self.device, self.dtype) for k in self.arch.cond_keys}
         if do_cfg:
             fwd_cond = {k: torch.cat([cond["negative_" + k].to(self.device, self.dtype), v]) for k, v in fwd_cond.items()}
             x, t = torch.cat([x, x]), torch.cat([t, t])
+        if self.torch_compile:  # Dynamo guards on strides: a view and a fresh tensor of one shape would compile twice
+            x, t, fwd_cond = x.contiguous(), t.contiguous(), {k: v.contiguous() for k, v in fwd_cond.items()}
 
-        model, adapter_ctx, grad_ctx = (
-            self._forward_module or self.transformer,
-            contextlib.nullcontext(),
-            contextlib.nullcontext(),
-        )
+        role, model = ("wrapped", self._forward_module) if self._forward_module is not None else ("trained", self.transformer)
+        adapter_ctx, grad_ctx = contextlib.nullcontext(), contextlib.nullcontext()
         if use_reference:
-            grad_ctx, model = torch.no_grad(), self.transformer
+            role, grad_ctx, model = "reference", torch.no_grad(), self.transformer
             if self.is_lora:
                 adapter_ctx = self.transformer.disable_adapter()
             else:
                 self.ensure_reference()
                 model = self._reference
+        model = self._maybe_compiled(role, model)
         with adapter_ctx, grad_ctx, self.autocast():
-            out = self.arch.forward(model, x, t.to(self.dtype), fwd_cond, guidance_scale, height, width).float()
+            out = self.arch.forward(model, x, t, fwd_cond, guidance_scale, height, width).float()
         if do_cfg:
             uncond, cond_out = out.chunk(2)
             out = uncond + guidance_scale * (cond_out - uncond)
         return out
+
+    @contextlib.contextmanager
+    def eager_forwards(self, eager: bool = True) -> Iterator[None]:
+        """Within (when `eager`): the transformer forwards run eagerly even with torch.compile on, e.g. for a batch
+        shape used too rarely to repay its compile (validation). The compiled wrappers are kept for later."""
+        before = self.torch_compile
+        self.torch_compile = before and not eager
+        try:
+            yield
+        finally:
+            self.torch_compile = before
 
     @contextlib.contextmanager
     def forward_through(self, module: torch.nn.Module | None) -> Iterator[None]:

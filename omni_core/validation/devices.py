@@ -46,6 +46,16 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
                 strategy,
             )
         )
+    if device == "npu":  # Inductor has not been tried on Ascend: refused rather than left to fail inside a worker
+        for role in ("actor", "rollout"):
+            if getattr(config.actor_rollout_ref, role).use_torch_compile:
+                p.append(
+                    ConfigProblem(
+                        f"actor_rollout_ref.{role}.use_torch_compile",
+                        "torch.compile (Inductor) is not supported on trainer.device=npu in OmniFlow; set it to false",
+                        True,
+                    )
+                )
     p.extend(fsdp2_problems(config))
     if ray_init.address is None:  # a joined cluster's torch is the workers', not this driver's
         p.extend(distributed_problems(config, device))

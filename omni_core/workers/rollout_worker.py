@@ -75,6 +75,8 @@ class RolloutWorker:
         kwargs = rollout_policy_kwargs(self.config, prompt_embeddings)
         self.policy = FlowPolicy.from_model_config(self.config.actor_rollout_ref.model, **kwargs)
         self.policy.transformer.eval()
+        if self.config.actor_rollout_ref.rollout.use_torch_compile:
+            self.policy.enable_torch_compile()
         self.rewards = RewardManager(self.config.reward)
         self.version = 0
         # The TransferQueue is joined at the first request (the flow starts the workers while it starts the queue).
@@ -99,6 +101,10 @@ class RolloutWorker:
         """Where this worker's modules are and in what dtype (for the placement tests and the dashboard)."""
         return module_placement(self.policy)
 
+    def torch_compile_stats(self) -> dict[str, int]:
+        """This process's torch.compile counters (`rollout.use_torch_compile`): frames compiled, graphs, graph breaks."""
+        return self.policy.torch_compile_stats()
+
     def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """Follow the trained policy (sync mode: after every step)."""
         self.policy.load_trainable_state(weights)
@@ -120,14 +126,17 @@ class RolloutWorker:
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
         records = [it.record for it in items]
         try:
-            # One batch per prompt group, never per request part: bit-identical rows for any worker count.
-            traj = generate_groups(
-                self.policy,
-                [r.prompt for r in records],
-                params.negative_prompts([r.negative_prompt for r in records]),
-                prompt_indices=[it.position for it in items],
-                **params.generate_kwargs(request.global_step),
-            )
+            # One batch per prompt group, never per request part: bit-identical rows for any worker count. With
+            # rollout.use_torch_compile, a validation request (no SDE window kept) runs eager: its batch shape would be
+            # compiled for one use per validation (measured on the main job: 28 s cold for 0.03 s saved).
+            with self.policy.eager_forwards(not params.record_window):
+                traj = generate_groups(
+                    self.policy,
+                    [r.prompt for r in records],
+                    params.negative_prompts([r.negative_prompt for r in records]),
+                    prompt_indices=[it.position for it in items],
+                    **params.generate_kwargs(request.global_step),
+                )
         except Exception as exc:  # the whole batch failed: tag every prompt with the reason
             reason = f"rollout worker {self.index}: {type(exc).__name__}: {exc}"
             return self._fail_all(request, reason, reason + "\n" + traceback.format_exc(), start)

@@ -121,6 +121,10 @@ class TrainingActor:
         self.policy = FlowPolicy.from_model_config(arr.model, **kwargs)
         if arr.actor.use_kl_loss:
             self.policy.ensure_reference()  # before any sharding: the reference stays a whole, frozen copy
+        # torch.compile wraps the modules as they are at each forward: FSDP2 later shards the wrapped transformer in
+        # place, and the DDP module that join_process_group makes gets a wrapper of its own at its first forward.
+        if arr.actor.use_torch_compile:
+            self.policy.enable_torch_compile()
         self.sharded = False
         self._build_optimizer()
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
@@ -145,6 +149,10 @@ class TrainingActor:
     def placement(self) -> dict[str, Any]:
         """Where the policy's modules are and in what dtype (for the placement tests and the dashboard)."""
         return module_placement(self.policy)
+
+    def torch_compile_stats(self) -> dict[str, int]:
+        """This process's torch.compile counters (`actor.use_torch_compile`): frames compiled, graphs, graph breaks."""
+        return self.policy.torch_compile_stats()
 
     # ------------------------------------------------------------------------------- data-parallel group
     def rendezvous_address(self) -> tuple[str, int]:
@@ -350,7 +358,7 @@ class TrainingActor:
         micro = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
         out = torch.empty_like(traj.log_probs)
         for idx in torch.arange(traj.batch_size).split(micro):
-            part = traj.index_select(idx)
+            part = traj.index_select(idx).to(self.policy.device)  # once, not per window step
             for j in range(traj.window_size):
                 out[idx, j] = self._score(part, j)[0].float().cpu()
         bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
@@ -370,7 +378,7 @@ class TrainingActor:
         micro = arr.ref.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
         out = torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32)
         for idx in torch.arange(traj.batch_size).split(micro):
-            part = traj.index_select(idx)
+            part = traj.index_select(idx).to(self.policy.device)
             for j in range(traj.window_size):
                 out[idx, j] = self._score(part, j, use_reference=True)[1].float().cpu()
         return out
@@ -471,9 +479,14 @@ class TrainingActor:
             self.policy.transformer.reshard()
         t1 = time.perf_counter()
 
+        # The current micro-batch's rows, selected and moved to the device once for its W window steps (ppo_update
+        # passes one dict per micro-batch to each of them).
+        selected: dict[str, Any] = {}
+
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
-            local = row_of[mb["sample"]]
-            part = traj.index_select(local)
+            if selected.get("micro_batch") is not mb:
+                selected.update(micro_batch=mb, part=traj.index_select(row_of[mb["sample"]]).to(self.policy.device))
+            part = selected["part"]
             log_prob, mean, std = self._score(part, j)
             ref_mean = None
             if ref_means is not None:  # the reference policy's mean of the same transition (no gradient)
