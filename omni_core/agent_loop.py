@@ -5,7 +5,7 @@ It dispatches a rollout request across the workers without waiting (verl's fire-
 weights to them, and checks that they are alive: a worker that died or raised surfaces with its
 traceback the next time the replay buffer polls, instead of a wait that never ends.
 
-The actors are created once from the flow process (`create`), found again by name from a `fit_epoch`
+The actors are started once from the flow process (`start`, then `wait_ready`), found again by name from a `fit_epoch`
 task on any Ray worker (`attach`), and stopped by `close`.
 """
 
@@ -33,7 +33,7 @@ def rollout_threads(standalone: bool) -> int:
     workers sample while the training ranks take the other cores. sync: the rollout and the update take turns
     (colocated, as verl's hybrid engine), so each worker gets every core of its node, whatever
     `rollout.agent.num_workers` is (the count must not follow the worker count, see above); with 1 thread the
-    rollout of the main job took 2.3 s instead of 1.3 s per step on 2 cores (`benchmarks/bench_flow.py`)."""
+    rollout of the main job took 2.2-2.9 s instead of 1.3-1.7 s per step on 2 cores (the plain loop, threads forced)."""
     return ROLLOUT_WORKER_THREADS if standalone else os.cpu_count() or 1
 
 
@@ -77,21 +77,6 @@ class AgentLoopManager:
             for i, opts in enumerate(options)
         ]
         return cls(workers, names)
-
-    @classmethod
-    def create(
-        cls,
-        config: dict[str, Any],
-        names: WorkerNames,
-        options: list[dict[str, Any]],
-        num_threads: int = ROLLOUT_WORKER_THREADS,
-        prompt_embeddings: str | None = None,
-        max_restarts: int = 3,
-    ) -> AgentLoopManager:
-        """`start`, then `wait_ready`."""
-        manager = cls.start(config, names, options, num_threads, prompt_embeddings, max_restarts)
-        manager.wait_ready()
-        return manager
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait (bounded) until every worker has loaded its model and answers."""

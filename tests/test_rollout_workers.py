@@ -96,7 +96,8 @@ def _rollout(cfg, embeddings: str, num_workers: int, chunk_size: int | None) -> 
     run_id = f"layout-{num_workers}-{chunk_size}-{uuid.uuid4().hex[:6]}"
     names = WorkerNames(namespace="omniflow-tests", run_id=run_id)
     options = [{"num_cpus": 1}] * num_workers
-    manager = AgentLoopManager.create(cfg.model_dump(mode="json"), names, options, ROLLOUT_WORKER_THREADS, embeddings)
+    manager = AgentLoopManager.start(cfg.model_dump(mode="json"), names, options, ROLLOUT_WORKER_THREADS, embeddings)
+    manager.wait_ready()
     partition = f"{run_id}/train"
     try:
         records = [PromptRecord(prompt=p, index=i) for i, p in enumerate(PROMPTS)]
