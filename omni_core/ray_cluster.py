@@ -27,13 +27,21 @@ from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
 from omni_core.quiet import drop_library_notices
 from omni_core.ray_auth import accepts_unauthenticated_requests, gcs_address_of, token_auth_warning
 from omni_core.resources import run_resource_budget
+from omni_core.tq.client import TQ_NUM_THREADS_DEFAULT
 
 NAMESPACE = "omniflow"
 
 
 # Environment variables of this process that every Ray worker of a run gets (a Prefect API instead of one
-# temporary server per worker, offline hubs, TransferQueue's log level).
-PASSED_ENV_VARS = ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TQ_LOGGING_LEVEL")
+# temporary server per worker, offline hubs, TransferQueue's log level and thread count: omni_core.tq.client).
+PASSED_ENV_VARS = (
+    "PREFECT_API_URL",
+    "PREFECT_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TQ_LOGGING_LEVEL",
+    "TQ_NUM_THREADS",
+)
 
 
 def worker_runtime_env(user_env: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -105,6 +113,7 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
         return False
     init = config.ray_kwargs.ray_init
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TransferQueue warns about its thread count on every call
+    os.environ.setdefault("TQ_NUM_THREADS", TQ_NUM_THREADS_DEFAULT)  # its storage units too (omni_core.tq.client)
     # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
     # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None

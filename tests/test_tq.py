@@ -377,3 +377,50 @@ def test_every_poll_asks_whether_the_producers_are_alive(transfer_queue, part):
     assert len(calls) == 3
     assert calls[2] - calls[1] >= 0.05  # a poll interval between polls
     assert list_rows(part) == {"p": {"is_prompt": True, "status": PENDING, "global_steps": 0}}
+
+
+# ------------------------------------------------------------------------- TransferQueue and torch threads
+@ray.remote(num_cpus=0)
+class KernelProbe:
+    """A training-actor stand-in: two torch threads, TQ traffic through omni_core.tq, then its own kernels."""
+
+    def __init__(self) -> None:
+        import transfer_queue.client
+
+        from omni_core.tq import attach
+
+        torch.set_num_threads(2)
+        attach()
+        self.tq_num_threads = transfer_queue.client.TQ_NUM_THREADS
+
+    def waits_after_traffic(self, partition: str, uid: str) -> tuple[int, int]:
+        """TQ's thread setting in this process, and the main thread's voluntary context switches over 60 rounds
+        of matmul + gelu after a put and a get of a rollout-sized batch (latents 16 x 3 x 16 x 32 x 32)."""
+        import psutil
+
+        keys, fields, tags = _group(uid, 16, 1)
+        fields["latents"] = torch.randn(16, 3, 16, 32, 32)
+        put_trajectories(partition, keys, fields, tags)
+        get_trajectories(partition, keys)
+        a, w = torch.randn(64, 256, 256), torch.randn(256, 256)
+        before = psutil.Process().num_ctx_switches().voluntary  # the main thread's (/proc/<pid>/status)
+        for _ in range(60):
+            torch.nn.functional.gelu(a @ w).add_(a)
+        return self.tq_num_threads, psutil.Process().num_ctx_switches().voluntary - before
+
+
+@pytest.mark.timeout(180)
+def test_tq_traffic_leaves_the_callers_torch_threads_spinning(transfer_queue, part):
+    """TransferQueue's client runs torch ops in its own thread with TQ_NUM_THREADS threads (8 by default): a second
+    OpenMP pool in the process, after which libgomp stops spinning in every pool and each parallel region of the
+    caller's own kernels ends in futex sleeps (omni_core.tq.client). OmniFlow's default (1) avoids the second pool;
+    TQ's thread count, set explicitly, is the control that shows the effect."""
+    ours, control = KernelProbe.remote(), KernelProbe.options(runtime_env={"env_vars": {"TQ_NUM_THREADS": "2"}}).remote()
+    # One after the other: two probes computing at once on 2 cores would preempt each other's spinning threads.
+    threads, waits = ray.get(ours.waits_after_traffic.remote(part, "u-ours"), timeout=120)
+    control_threads, control_waits = ray.get(control.waits_after_traffic.remote(part, "u-control"), timeout=120)
+    for actor in (ours, control):
+        ray.kill(actor)
+    assert (threads, control_threads) == (1, 2)
+    assert control_waits >= 60, f"the control slept only {control_waits} times: TransferQueue may have changed"
+    assert waits * 5 <= control_waits, (waits, control_waits)
