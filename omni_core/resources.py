@@ -12,6 +12,7 @@ Light on purpose (no torch, no Ray): `omniflow validate` imports it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,26 @@ TRAINING_ACTOR_CPUS = 1
 ROLLOUT_WORKER_CPUS = 1
 # prefect-ray runs each `fit_epoch` task as a Ray task with Ray's default reservation of one CPU.
 FIT_EPOCH_TASK_CPUS = 1
+
+
+# `transfer_queue.backend.SimpleStorage.num_data_storage_units: null`: one unit per this many logical CPUs of the
+# machine that starts the run, at least 1 (each unit is a process with torch: ~280 MB on a small machine) and
+# at most verl-omni's default of 8.
+CPUS_PER_STORAGE_UNIT = 16
+MAX_AUTO_STORAGE_UNITS = 8
+
+
+def auto_storage_units(cpus: int | None = None) -> int:
+    """Storage units for `num_data_storage_units: null`: one per `CPUS_PER_STORAGE_UNIT` logical CPUs (`cpus`,
+    default this machine's `os.cpu_count()`), between 1 and `MAX_AUTO_STORAGE_UNITS`."""
+    cpus = cpus if cpus is not None else os.cpu_count() or 1
+    return min(MAX_AUTO_STORAGE_UNITS, max(1, cpus // CPUS_PER_STORAGE_UNIT))
+
+
+def storage_unit_count(config: Any) -> int:
+    """TransferQueue's SimpleStorage units of `config` (an `OmniFlowConfig`): as configured, or `auto_storage_units`."""
+    units = config.transfer_queue.backend.SimpleStorage.num_data_storage_units
+    return auto_storage_units() if units is None else units
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ def rollout_worker_count(config: Any) -> int:
 
 def run_resource_budget(config: Any) -> ResourceBudget:
     """What a run of `config` (an `OmniFlowConfig`) reserves on its Ray cluster."""
-    units = config.transfer_queue.backend.SimpleStorage.num_data_storage_units
+    units = storage_unit_count(config)
     workers = rollout_worker_count(config)
     trainer = config.trainer
     cpus = {

@@ -82,8 +82,10 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     ),
     "trainer.v1.trainer_mode": ("sync", "Trainer mode: sync or separate_async."),
     "transfer_queue.backend.SimpleStorage.num_data_storage_units": (
-        2,
-        "Storage units (Ray actors, 1 logical CPU each). verl-omni: 8; OmniFlow: 2, enough on one node.",
+        None,
+        "Storage units (Ray actors, 1 logical CPU each, a Python process with torch). null: sized from the logical CPUs "
+        "of the machine that starts the run, 1 per 16, between 1 and 8 (1 on a laptop, verl-omni's 8 from 128 CPUs). "
+        "verl-omni: 8; set it for a cluster joined by address.",
     ),
     "ray_kwargs.ray_init.num_cpus": (
         16,

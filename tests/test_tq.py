@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import sys
@@ -163,7 +164,18 @@ def test_config_section_becomes_tq_conf():
     conf = _to_tq_conf(TransferQueueConfig())
     assert "enable" not in conf  # verl's switch, not a TQ key
     assert conf.backend.storage_backend == "SimpleStorage"
-    assert conf.backend.SimpleStorage.num_data_storage_units == 2
+    # null (the default) is sized from this machine: 1 unit per 16 logical CPUs, 1 to 8.
+    assert conf.backend.SimpleStorage.num_data_storage_units == max(1, min(8, (os.cpu_count() or 1) // 16))
+    set_to_3 = TransferQueueConfig.model_validate({"backend": {"SimpleStorage": {"num_data_storage_units": 3}}})
+    assert _to_tq_conf(set_to_3).backend.SimpleStorage.num_data_storage_units == 3
+
+
+@pytest.mark.timeout(10)
+def test_auto_storage_units_follow_the_machine_with_verl_omnis_eight_on_big_ones():
+    from omni_core.resources import auto_storage_units
+
+    sizes = {cpus: auto_storage_units(cpus) for cpus in (1, 2, 15, 16, 31, 32, 64, 127, 128, 512)}
+    assert sizes == {1: 1, 2: 1, 15: 1, 16: 1, 31: 1, 32: 2, 64: 4, 127: 7, 128: 8, 512: 8}
 
 
 # ------------------------------------------------------------------------------------- real TQ

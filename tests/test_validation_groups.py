@@ -84,19 +84,20 @@ def test_omniflow_validate_answers_without_heavy_imports(tiny_sd3_dir):
 
 # ------------------------------------------------------------------------------------ one Ray budget
 def test_the_budget_is_counted_by_hand_and_shared_with_the_cluster_check():
-    cfg = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2"])
+    units = "transfer_queue.backend.SimpleStorage.num_data_storage_units=2"  # null would size them from this machine
+    cfg = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", units])
     budget = run_resource_budget(cfg)
     # TransferQueue: controller 1 + 2 storage units; training actor 1; 2 rollout workers; the fit_epoch task 1.
     assert budget.cpus == {"transfer_queue": 3, "training_actor": 1, "rollout_workers": 2, "fit_epoch_task": 1}
     assert budget.total_cpus == 7 and budget.gpus == 0
 
-    enough = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", "ray_kwargs.ray_init.num_cpus=7"])
+    enough = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", units, "ray_kwargs.ray_init.num_cpus=7"])
     assert [p.key for p in config_problems(enough, CPU_ONLY) if p.key.startswith("ray_kwargs")] == []
     check_cluster_devices(enough, {"CPU": 7.0})
 
     # One short: validation refuses it before Ray starts (before, it only counted 6 and let the run hang
     # until the cluster check), and the cluster check agrees.
-    short = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", "ray_kwargs.ray_init.num_cpus=6"])
+    short = load_config(overrides=["actor_rollout_ref.rollout.agent.num_workers=2", units, "ray_kwargs.ray_init.num_cpus=6"])
     problems = [p for p in config_problems(short, CPU_ONLY) if p.key == "ray_kwargs.ray_init.num_cpus"]
     assert len(problems) == 1 and "reserves 7" in str(problems[0]) and "fit_epoch_task 1" in str(problems[0])
     with pytest.raises(ConfigError, match="reserves 7"):

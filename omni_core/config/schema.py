@@ -416,7 +416,7 @@ _ss = _Section("transfer_queue.backend.SimpleStorage")
 
 class SimpleStorageConfig(ConfigModel):
     total_storage_size: PositiveInt = _ss("total_storage_size")
-    num_data_storage_units: PositiveInt = _ss("num_data_storage_units")
+    num_data_storage_units: PositiveInt | None = _ss("num_data_storage_units")
 
 
 _tb = _Section("transfer_queue.backend")

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import torch
 
 from omni_core.records import partition_id  # noqa: F401  (a run's partition names, re-exported with the client)
-from omni_core.resources import TQ_CONTROLLER_CPUS, TQ_STORAGE_UNIT_CPUS
+from omni_core.resources import TQ_CONTROLLER_CPUS, TQ_STORAGE_UNIT_CPUS, auto_storage_units
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ def _to_tq_conf(tq_cfg: Any):
         data = dict(tq_cfg)
     # `enable` is verl's switch (the v1 runner forces it on); TQ has no such key.
     data.pop("enable", None)
+    simple = (data.get("backend") or {}).get("SimpleStorage")
+    if isinstance(simple, dict) and simple.get("num_data_storage_units", 0) is None:
+        simple["num_data_storage_units"] = auto_storage_units()  # null: sized from this machine
     return OmegaConf.create(data)
 
 
