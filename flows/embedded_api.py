@@ -6,14 +6,22 @@ worker would start its own (DESIGN.md section 7). So when no `PREFECT_API_URL` i
 points this process (and through it every Ray worker) at it, and stops it at the end. A user's
 `PREFECT_API_URL` wins. Call `embedded_prefect_api` before importing prefect. `EmbeddedApi.watch` tells
 the runner when the server dies mid-run (the runner then stops the run: see `runner.stop_after_api_death`).
+
+A server on a new `PREFECT_HOME` spends most of its start creating its SQLite database (Prefect's
+migrations: ~7 of ~12 s on 2 cores). The first such start on a machine keeps a copy of the new, empty database
+(`sqlite3` backup, taken once the server answers and before the run writes anything) in
+`OMNIFLOW_CACHE_DIR` (default `~/.cache/omniflow`), one per Prefect version; later servers on a new home
+start from that copy, and Prefect's migrate-on-start finds it at head.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -23,6 +31,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DEFAULT_HOME = Path("outputs") / "prefect"
+CACHE_DIR_ENV = "OMNIFLOW_CACHE_DIR"
+DB_NAME = "prefect.db"
+# Settings that move Prefect's database away from PREFECT_HOME/prefect.db: then no template is used or kept.
+DATABASE_URL_ENVS = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
+
+
+def template_database() -> Path | None:
+    """Where the empty, migrated database of this Prefect version is kept; None when the server's database is not
+    the SQLite file in PREFECT_HOME (a connection URL is set)."""
+    if any(os.environ.get(name) for name in DATABASE_URL_ENVS):
+        return None
+    from importlib.metadata import version
+
+    cache = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "omniflow")
+    return cache / "prefect-db" / version("prefect") / DB_NAME
+
+
+def _keep_template(db: Path, template: Path) -> None:
+    """Copy the server's new database to `template` (atomically: a temporary file, then a rename)."""
+    template.parent.mkdir(parents=True, exist_ok=True)
+    partial = template.with_name(f".{template.name}.{os.getpid()}")
+    with contextlib.closing(sqlite3.connect(db)) as src, contextlib.closing(sqlite3.connect(partial)) as dst:
+        src.backup(dst)
+    os.replace(partial, template)
 
 
 def _free_port() -> int:
@@ -62,8 +94,10 @@ def _die_with_parent() -> None:
 class EmbeddedApi:
     """The run's API: `url`, and `wait_ready()` (the server boots while the caller imports the flow)."""
 
-    def __init__(self, url: str | None, proc: subprocess.Popen | None = None, timeout_s: float = 120.0):
-        self.url, self.proc, self.timeout_s = url, proc, timeout_s
+    def __init__(
+        self, url: str | None, proc: subprocess.Popen | None = None, timeout_s: float = 120.0, server: PrefectServer | None = None
+    ):
+        self.url, self.proc, self.timeout_s, self.server = url, proc, timeout_s, server
 
     @property
     def ui_url(self) -> str | None:
@@ -72,6 +106,8 @@ class EmbeddedApi:
     def wait_ready(self) -> None:
         if self.proc is not None and self.url is not None:
             _wait_healthy(self.url, self.proc, self.timeout_s)
+        if self.server is not None:
+            self.server.keep_template()
 
     @contextlib.contextmanager
     def watch(self, on_exit: Callable[[int], object], poll_s: float = 0.5) -> Iterator[None]:
@@ -116,12 +152,21 @@ class PrefectServer:
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.seeded = False  # started from the template database
+        self._keep_as_template: Path | None = None  # a new database to copy once the server answers
 
     @property
     def ui_url(self) -> str:
         return self.url.removesuffix("/api")
 
     def start(self) -> PrefectServer:
+        db, template = self.home / DB_NAME, template_database()
+        if template is not None and not db.exists():
+            if template.is_file():
+                shutil.copyfile(template, db)
+                self.seeded = True
+            else:
+                self._keep_as_template = template
         env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
         env.pop("PREFECT_API_URL", None)
         # The bundled UI calls the API at this URL (its default is port 4200, whatever --port says).
@@ -140,6 +185,14 @@ class PrefectServer:
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         assert self.proc is not None, "start() first"
         _wait_healthy(self.url, self.proc, timeout_s)
+        self.keep_template()
+
+    def keep_template(self) -> None:
+        """The first server on a new database on this machine: keep a copy of it (call before the run writes)."""
+        template, self._keep_as_template = self._keep_as_template, None
+        if template is not None and not template.exists():
+            with contextlib.suppress(OSError, sqlite3.Error):  # a cache that cannot be written costs only time
+                _keep_template(self.home / DB_NAME, template)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -171,7 +224,7 @@ def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> 
     os.environ["PREFECT_HOME"] = str(server.home)
     os.environ["PREFECT_API_URL"] = server.url
     try:
-        yield EmbeddedApi(server.url, server.proc, timeout_s)
+        yield EmbeddedApi(server.url, server.proc, timeout_s, server)
     finally:
         # PREFECT_API_URL stays set: a late Prefect call should fail to connect, not start an
         # ephemeral server of its own that would outlive the run.

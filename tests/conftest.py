@@ -16,6 +16,9 @@ if "prefect" in sys.modules:
 PREFECT_TEST_HOME = tempfile.mkdtemp(prefix="omniflow-tests-prefect-home-")
 os.environ["PREFECT_HOME"] = PREFECT_TEST_HOME
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(PREFECT_TEST_HOME, "storage")
+# The embedded API's template database (flows/embedded_api.py) stays in this session's folder too; every test
+# server on a new home after the first starts from it.
+os.environ["OMNIFLOW_CACHE_DIR"] = os.path.join(PREFECT_TEST_HOME, "omniflow-cache")
 
 
 def pytest_unconfigure(config) -> None:
