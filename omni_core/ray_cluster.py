@@ -32,8 +32,17 @@ from omni_core.tq.client import TQ_NUM_THREADS_DEFAULT
 NAMESPACE = "omniflow"
 
 
+# glibc malloc settings of the run's Ray workers: keep freed memory for the next allocation instead of returning
+# it to the OS. A process that only samples (a rollout worker) frees its activations after every request; with
+# glibc's defaults the top of its heap was trimmed each time and the next request faulted every page in again:
+# ~150k minor faults per 16-image rollout of the main job, 1.6-2.1 s per rollout against 1.1-1.5 s with these
+# (2 cores, alternating runs). The cost: a worker's resident memory stays at its peak. MMAP_THRESHOLD_ is
+# glibc's 64-bit maximum, 32 MiB (setting TRIM_THRESHOLD_ alone would pin it at 128 KiB instead).
+MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+
 # Environment variables of this process that every Ray worker of a run gets (a Prefect API instead of one
-# temporary server per worker, offline hubs, TransferQueue's log level and thread count: omni_core.tq.client).
+# temporary server per worker, offline hubs, TransferQueue's log level and thread count: omni_core.tq.client,
+# the malloc settings above).
 PASSED_ENV_VARS = (
     "PREFECT_API_URL",
     "PREFECT_HOME",
@@ -41,6 +50,7 @@ PASSED_ENV_VARS = (
     "TRANSFORMERS_OFFLINE",
     "TQ_LOGGING_LEVEL",
     "TQ_NUM_THREADS",
+    *MALLOC_ENV,
 )
 
 
@@ -114,6 +124,8 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     init = config.ray_kwargs.ray_init
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TransferQueue warns about its thread count on every call
     os.environ.setdefault("TQ_NUM_THREADS", TQ_NUM_THREADS_DEFAULT)  # its storage units too (omni_core.tq.client)
+    for name, value in MALLOC_ENV.items():  # read by glibc at process start: the workers', not this process's
+        os.environ.setdefault(name, value)
     # ray.init installs its own SIGTERM handler (it aborts the process, skipping every `finally`);
     # keep the caller's, so a stopped run still closes TransferQueue, its actors and its servers.
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None

@@ -158,6 +158,7 @@ def test_ray_init_arguments_reach_ray_init_and_env_vars_merge_with_the_users_win
         "working_dir": "/src",
     }
     assert "PREFECT_API_URL" in PASSED_ENV_VARS and "TQ_LOGGING_LEVEL" in PASSED_ENV_VARS
+    assert {"TQ_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"} <= set(PASSED_ENV_VARS)
     # Unset keys stay out of ray.init (Ray's own defaults apply); joining by address passes what Ray takes there.
     assert "num_gpus" not in ray_init_kwargs(load_config())
     joined = ray_init_kwargs(load_config(overrides=["ray_kwargs.ray_init.address=auto"]))
