@@ -87,15 +87,26 @@ class AgentLoopManager:
         workers = [ray.get_actor(names.rollout_worker(i), namespace=names.namespace) for i in range(num_workers)]
         return cls(workers, names)
 
-    def generate_sequences(self, request: RolloutRequest, chunk_size: int | None = None) -> None:
+    def generate_sequences(self, request: RolloutRequest, chunk_size: int | None = None) -> list[ray.ObjectRef]:
         """Dispatch the request (non-blocking): one contiguous part per worker, or chunks of at most
-        `chunk_size` prompts dealt round-robin (`data.gen_batch_size` / `data.val_batch_size`)."""
+        `chunk_size` prompts dealt round-robin (`data.gen_batch_size` / `data.val_batch_size`); returns the
+        calls' refs (`wait_for` them)."""
         self._resync_restarted_workers()
+        refs = []
         for i, (worker, calls) in enumerate(zip(self.workers, request.assign(len(self.workers), chunk_size), strict=True)):
             for part in calls:
                 ref = worker.generate.remote(part)
                 self._inflight.append(ref)
                 self._worker_of[ref] = i
+                refs.append(ref)
+        return refs
+
+    @staticmethod
+    def wait_for(refs: list[ray.ObjectRef], timeout_s: float) -> None:
+        """Block (no polling) until the rollout calls `refs` returned, failed or `timeout_s` passed; what they
+        returned is collected by `check_alive`. A worker writes its rows before its call returns."""
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
 
     def queue_to_least_busy(self, request: RolloutRequest, chunk_size: int) -> None:
         """Dispatch the request (non-blocking) in chunks of `chunk_size` prompts, each to the worker with the

@@ -468,9 +468,15 @@ class PolicyGradientDiffusionTrainerV1:
         is returned with its reason instead of failing the step (the caller evicts and refills it)."""
         assert self.agent_loop is not None
         tqc.put_prompts(request.partition, request.uids, request.global_step)
-        self.agent_loop.generate_sequences(request, chunk_size)
+        deadline = time.monotonic() + ACTOR_CALL_TIMEOUT_S
+        # Wait on the calls themselves, then read the queue: polling it every 50 ms while the workers compute cost
+        # the rollout CPU on a small machine (this process, TransferQueue's controller and the wake-ups of both).
+        self.agent_loop.wait_for(self.agent_loop.generate_sequences(request, chunk_size), ACTOR_CALL_TIMEOUT_S)
         buffer = ReplayBuffer(
-            request.partition, poll_interval=0.05, timeout_s=ACTOR_CALL_TIMEOUT_S, liveness_check=self.agent_loop.check_alive
+            request.partition,
+            poll_interval=0.05,
+            timeout_s=max(1.0, deadline - time.monotonic()),
+            liveness_check=self.agent_loop.check_alive,
         )
         step, n = request.global_step, request.params.n
         batch = buffer.sample(len(request.items), step, n)
