@@ -96,6 +96,21 @@ def test_a_prompt_outside_the_set_raises_a_key_error_naming_it(embedded):
         cached.cond([PROMPTS[0]], ["unknown negative"], True, "cpu")
 
 
+def test_the_cache_key_of_a_cached_run_needs_no_diffusers(tiny_sd3_dir):
+    """A run whose embeddings are cached computes only their key (text-encoder fingerprint): that must not import
+    diffusers (~3 s on 2 cores, which the cache hit used to take longer than computing the tiny model's embeddings)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from omni_core.models.prompt_embeddings import text_encoder_fingerprint; "
+        f"fp = text_encoder_fingerprint({str(tiny_sd3_dir)!r}); "
+        "print(len(fp), 'diffusers' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["64", "False", "False"], out.stdout + out.stderr
+
+
 def test_prompt_key_is_stable_and_distinct():
     assert (
         prompt_key("a red circle") == prompt_key("a red circle") == "a1e4a280d27cad5b1aa05b230031f649"

@@ -9,12 +9,12 @@ freezing of everything that is not trained (text encoders, VAE). The transformer
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 
 import torch
 from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
 
+from omni_core.models.model_index import ModelLoadError, read_model_index
 from omni_core.quiet import quiet_model_libraries
 
 quiet_model_libraries()  # no progress bars while every actor loads its pipeline
@@ -28,10 +28,6 @@ SUPPORTED_PIPELINES: dict[str, type[DiffusionPipeline]] = {
 ARCHITECTURE_ALIASES: dict[str, str] = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 
 
-class ModelLoadError(ValueError):
-    """A model directory could not be loaded; the message names the path and the problem."""
-
-
 def resolve_architecture(architecture: str) -> str:
     """Map ``"sd3"`` / ``"flux"`` / a pipeline class name to the supported pipeline class name."""
     name = ARCHITECTURE_ALIASES.get(architecture.lower(), architecture)
@@ -39,16 +35,6 @@ def resolve_architecture(architecture: str) -> str:
         choices = sorted(SUPPORTED_PIPELINES) + sorted(ARCHITECTURE_ALIASES)
         raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {choices}")
     return name
-
-
-def read_model_index(path: Path) -> dict:
-    index_file = path / "model_index.json"
-    if not index_file.is_file():
-        raise ModelLoadError(f"{path}: no model_index.json; expected a diffusers pipeline directory written by save_pretrained")
-    try:
-        return json.loads(index_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{index_file}: not valid JSON ({err})") from err
 
 
 def check_pipeline_folder(path: str | Path, architecture: str | None = None) -> str:

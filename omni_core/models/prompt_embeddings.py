@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from omni_core.models.model_index import read_model_index
+
 if TYPE_CHECKING:
     from omni_core.models.arch import ArchAdapter
 
@@ -49,8 +51,6 @@ def prompt_key(text: str) -> str:
 def text_component_dirs(model_path: str | Path) -> list[Path]:
     """The text-encoder and tokenizer folders of a saved pipeline (those ``model_index.json`` lists), sorted."""
     path = Path(model_path).expanduser()
-    from omni_core.models.loader import read_model_index  # diffusers: imported where a model is loaded, not here
-
     index = read_model_index(path)
     names = [
         name
