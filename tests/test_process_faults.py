@@ -277,7 +277,10 @@ def test_a_killed_transfer_queue_actor_is_replaced_and_the_epoch_redone(
     from omni_core.tracking import read_jsonl
 
     ckpt = tmp_path / "ckpt"
-    state, killed = run_with_kill(flow_overrides, ckpt, f"tqkill-{class_name.lower()}", victim, class_name)
+    # The restart builds a TransferQueue with the run's settings: those of the session's (2 storage units, conftest),
+    # so that the cluster's layout comes back as the other tests know it (the default, null, sizes it from the machine).
+    overrides = [*flow_overrides, "transfer_queue.backend.SimpleStorage.num_data_storage_units=2"]
+    state, killed = run_with_kill(overrides, ckpt, f"tqkill-{class_name.lower()}", victim, class_name)
     assert killed, f"no {victim} was found to kill"
     assert state.is_completed(), state.message
     result = state.result()
