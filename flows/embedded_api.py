@@ -94,20 +94,17 @@ def _die_with_parent() -> None:
 class EmbeddedApi:
     """The run's API: `url`, and `wait_ready()` (the server boots while the caller imports the flow)."""
 
-    def __init__(
-        self, url: str | None, proc: subprocess.Popen | None = None, timeout_s: float = 120.0, server: PrefectServer | None = None
-    ):
-        self.url, self.proc, self.timeout_s, self.server = url, proc, timeout_s, server
+    def __init__(self, url: str | None, server: PrefectServer | None = None, timeout_s: float = 120.0):
+        self.url, self.server, self.timeout_s = url, server, timeout_s
+        self.proc: subprocess.Popen | None = server.proc if server is not None else None
 
     @property
     def ui_url(self) -> str | None:
         return self.url.removesuffix("/api") if self.url else None
 
     def wait_ready(self) -> None:
-        if self.proc is not None and self.url is not None:
-            _wait_healthy(self.url, self.proc, self.timeout_s)
-        if self.server is not None:
-            self.server.keep_template()
+        if self.server is not None:  # a user's PREFECT_API_URL: their server, ready or not
+            self.server.wait_ready(self.timeout_s)
 
     @contextlib.contextmanager
     def watch(self, on_exit: Callable[[int], object], poll_s: float = 0.5) -> Iterator[None]:
@@ -185,10 +182,7 @@ class PrefectServer:
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         assert self.proc is not None, "start() first"
         _wait_healthy(self.url, self.proc, timeout_s)
-        self.keep_template()
-
-    def keep_template(self) -> None:
-        """The first server on a new database on this machine: keep a copy of it (call before the run writes)."""
+        # The first server on a new database on this machine keeps a copy of it, before the run writes anything.
         template, self._keep_as_template = self._keep_as_template, None
         if template is not None and not template.exists():
             with contextlib.suppress(OSError, sqlite3.Error):  # a cache that cannot be written costs only time
@@ -224,7 +218,7 @@ def embedded_prefect_api(home: Path | None = None, timeout_s: float = 120.0) -> 
     os.environ["PREFECT_HOME"] = str(server.home)
     os.environ["PREFECT_API_URL"] = server.url
     try:
-        yield EmbeddedApi(server.url, server.proc, timeout_s, server)
+        yield EmbeddedApi(server.url, server, timeout_s)
     finally:
         # PREFECT_API_URL stays set: a late Prefect call should fail to connect, not start an
         # ephemeral server of its own that would outlive the run.
