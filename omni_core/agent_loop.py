@@ -6,7 +6,8 @@ weights to them, and checks that they are alive: a worker that died or raised su
 traceback the next time the replay buffer polls, instead of a wait that never ends.
 
 The actors are started once from the flow process (`start`, then `wait_ready`), found again by name from a `fit_epoch`
-task on any Ray worker (`attach`), and stopped by `close`.
+task on any Ray worker (`attach`), and stopped by `close`. With verl's hybrid engine (`colocated`) the workers are the
+training ranks themselves (`TrainingActor.generate`): nothing is started, pushed or stopped here.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def rollout_threads(standalone: bool) -> int:
 class AgentLoopManager:
     """Handles to the rollout workers plus the in-flight requests of this process."""
 
-    def __init__(self, workers: list[Any], names: WorkerNames):
+    def __init__(self, workers: list[Any], names: WorkerNames, colocated: bool = False):
         self.workers = workers
         self.names = names
+        self.colocated = colocated  # the workers are the training ranks (hybrid engine), which own their weights
         self._inflight: list[ray.ObjectRef] = []
         self._worker_of: dict[ray.ObjectRef, int] = {}  # in-flight request -> index of the worker running it
         self._logs: list[LogLine] = []
@@ -78,14 +80,21 @@ class AgentLoopManager:
         ]
         return cls(workers, names)
 
+    @classmethod
+    def in_training_ranks(cls, ranks: list[Any], names: WorkerNames) -> AgentLoopManager:
+        """The hybrid engine's workers: rollout worker `i` is training rank `i` (`TrainingActor.generate`)."""
+        return cls(list(ranks), names, colocated=True)
+
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait (bounded) until every worker has loaded its model and answers."""
         ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
 
     @classmethod
-    def attach(cls, names: WorkerNames, num_workers: int) -> AgentLoopManager:
-        workers = [ray.get_actor(names.rollout_worker(i), namespace=names.namespace) for i in range(num_workers)]
-        return cls(workers, names)
+    def attach(cls, names: WorkerNames, num_workers: int, colocated: bool = False) -> AgentLoopManager:
+        """The run's workers by name (`colocated`: the training ranks')."""
+        name = names.training_rank if colocated else names.rollout_worker
+        workers = [ray.get_actor(name(i), namespace=names.namespace) for i in range(num_workers)]
+        return cls(workers, names, colocated)
 
     def generate_sequences(self, request: RolloutRequest, chunk_size: int | None = None) -> list[ray.ObjectRef]:
         """Dispatch the request (non-blocking): one contiguous part per worker, or chunks of at most
@@ -152,7 +161,10 @@ class AgentLoopManager:
         return lines
 
     def update_weights(self, weights: Any, version: int, timeout_s: float = 600) -> None:
-        """Push the trained weights (an ObjectRef or a state dict) to every rollout worker."""
+        """Push the trained weights (an ObjectRef or a state dict) to every rollout worker; nothing to do when the
+        workers are the training ranks (`colocated`: they sample with the weights they train)."""
+        if self.colocated:
+            return
         self._weights = (weights, version)
         ray.get([w.set_weights.remote(weights, version) for w in self.workers], timeout=timeout_s)
 
@@ -175,6 +187,8 @@ class AgentLoopManager:
             )
 
     def close(self) -> None:
-        """Stop the rollout workers (Ray does not restart them)."""
+        """Stop the rollout workers (Ray does not restart them); colocated ones are the training ranks, stopped with them."""
+        if self.colocated:
+            return
         for w in self.workers:
             ray.kill(w, no_restart=True)

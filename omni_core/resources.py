@@ -67,6 +67,37 @@ def standalone_rollout(config: Any) -> bool:
     return config.trainer.v1.trainer_mode == "separate_async"
 
 
+def training_rank_count(config: Any) -> int:
+    """`trainer.n_gpus_per_node x trainer.nnodes`: the data-parallel training ranks."""
+    return config.trainer.n_gpus_per_node * config.trainer.nnodes
+
+
+def hybrid_engine_obstacles(config: Any) -> list[tuple[str, str]]:
+    """Why the rollout of `config` cannot run inside the training ranks (verl's hybrid engine), as `(key, reason)`
+    pairs; empty when it can. One rollout worker per rank, in that rank's process, taking turns with its update."""
+    out: list[tuple[str, str]] = []
+    if standalone_rollout(config):
+        out.append(("trainer.v1.trainer_mode", "separate_async samples on devices of its own while the ranks train"))
+    workers, ranks = config.actor_rollout_ref.rollout.agent.num_workers, training_rank_count(config)
+    if not standalone_rollout(config) and workers != ranks:
+        out.append(
+            (
+                "actor_rollout_ref.rollout.agent.num_workers",
+                f"the hybrid engine runs one rollout worker in each of the {ranks} training rank(s), not {workers}",
+            )
+        )
+    if config.actor_rollout_ref.actor.strategy == "fsdp2":
+        out.append(("actor_rollout_ref.actor.strategy", "fsdp2 ranks hold shards, and a rollout needs whole weights"))
+    return out
+
+
+def uses_hybrid_engine(config: Any) -> bool:
+    """`actor_rollout_ref.hybrid_engine` resolved: as set, or (null) on wherever `hybrid_engine_obstacles` finds none.
+    Validation refuses `true` with an obstacle."""
+    setting = config.actor_rollout_ref.hybrid_engine
+    return bool(setting) if setting is not None else not hybrid_engine_obstacles(config)
+
+
 def rollout_worker_count(config: Any) -> int:
     """sync: `rollout.agent.num_workers`, colocated; separate_async: one worker per device of the standalone
     pool, `rollout.nnodes x rollout.n_gpus_per_node` (on cpu: processes)."""
@@ -84,7 +115,8 @@ def run_resource_budget(config: Any) -> ResourceBudget:
     cpus = {
         "transfer_queue": TQ_CONTROLLER_CPUS + TQ_STORAGE_UNIT_CPUS * units,
         "training_actor": TRAINING_ACTOR_CPUS * trainer.n_gpus_per_node * trainer.nnodes,  # one per rank
-        "rollout_workers": ROLLOUT_WORKER_CPUS * workers,
+        # hybrid engine: the rollout workers are the training ranks' own processes
+        "rollout_workers": 0 if uses_hybrid_engine(config) else ROLLOUT_WORKER_CPUS * workers,
         "fit_epoch_task": FIT_EPOCH_TASK_CPUS,
     }
     ranks = trainer.n_gpus_per_node * trainer.nnodes
@@ -129,13 +161,14 @@ ACCELERATOR_RESOURCES = {"cuda": "GPU", "npu": "NPU"}
 def resource_plan(config: Any) -> ResourcePlan:
     """The placement of the training ranks and rollout workers of `config` (its `trainer.device` resolved).
 
-    sync: rollout worker `j` shares bundle `j % ranks` with training rank `j % ranks` (colocated).
+    sync: rollout worker `j` shares bundle `j % ranks` with training rank `j % ranks` (colocated); with the hybrid
+    engine it is rank `j` itself, so the plan has no rollout slots and each rank has its bundle's whole device.
     separate_async: bundles `0 .. ranks-1` hold the training ranks alone and each rollout worker has a bundle
     (and, on an accelerator, a whole device) of its own after them: the standalone rollout pool.
     """
     trainer = config.trainer
     ranks = trainer.n_gpus_per_node * trainer.nnodes
-    workers = rollout_worker_count(config)
+    workers = 0 if uses_hybrid_engine(config) else rollout_worker_count(config)
     device = trainer.device
     accelerator = ACCELERATOR_RESOURCES.get(device)
     standalone = standalone_rollout(config)

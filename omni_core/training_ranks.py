@@ -72,9 +72,17 @@ class TrainingRanks:
 
     @classmethod
     def create(
-        cls, config: Any, names: WorkerNames, plan: ResourcePlan, options: list[dict[str, Any]], total_steps: int, threads: int
+        cls,
+        config: Any,
+        names: WorkerNames,
+        plan: ResourcePlan,
+        options: list[dict[str, Any]],
+        total_steps: int,
+        threads: int,
+        colocated_rollout: dict[str, Any] | None = None,
     ) -> TrainingRanks:
-        """Start one actor per rank (or find the ones of this run that exist: a retried init keeps them)."""
+        """Start one actor per rank (or find the ones of this run that exist: a retried init keeps them).
+        `colocated_rollout` (the hybrid engine): `TrainingActor`'s `rollout_threads` and `prompt_embeddings`."""
         from omni_core.workers.training_actor import TrainingActor  # diffusers: only where the actors start
 
         remote = ray.remote(TrainingActor)
@@ -82,7 +90,9 @@ class TrainingRanks:
         handles = [
             remote.options(
                 name=names.training_rank(rank), namespace=names.namespace, max_restarts=3, get_if_exists=True, **options[rank]
-            ).remote(config.model_dump(mode="json"), total_steps, threads, rank=rank, world_size=world)
+            ).remote(
+                config.model_dump(mode="json"), total_steps, threads, rank=rank, world_size=world, **(colocated_rollout or {})
+            )
             for rank in range(world)
         ]
         return cls(handles, config.actor_rollout_ref.actor.strategy)

@@ -29,8 +29,14 @@ def _config(**updates):
     [("cuda", 1, 1, 0.5), ("cuda", 1, 3, 0.25), ("cuda", 2, 2, 0.5), ("cuda", 2, 3, None), ("cpu", 1, 2, 0.0)],
 )
 def test_resource_plan_colocates_rollout_workers_with_the_training_ranks(device, ranks, workers, share):
+    """Separate rollout-worker processes (`hybrid_engine=false`; the hybrid plan is in test_hybrid_engine)."""
     cfg = _config(
-        **{"trainer.device": device, "trainer.n_gpus_per_node": ranks, "actor_rollout_ref.rollout.agent.num_workers": workers}
+        **{
+            "trainer.device": device,
+            "trainer.n_gpus_per_node": ranks,
+            "actor_rollout_ref.rollout.agent.num_workers": workers,
+            "actor_rollout_ref.hybrid_engine": False,
+        }
     )
     plan = resource_plan(cfg)
     assert len(plan.bundles) == len(plan.training) == ranks
@@ -58,7 +64,8 @@ def test_actors_get_the_gpu_share_and_bundle_the_plan_gives_them(ray_cluster):
 
     from omni_core.worker_pool import actor_options, create_pool, pool_name, remove_pool
 
-    cfg = _config(**{"trainer.device": "cuda", "trainer.n_gpus_per_node": 2, "actor_rollout_ref.rollout.agent.num_workers": 2})
+    two = {"trainer.device": "cuda", "trainer.n_gpus_per_node": 2, "actor_rollout_ref.rollout.agent.num_workers": 2}
+    cfg = _config(**two, **{"actor_rollout_ref.hybrid_engine": False})
     plan = resource_plan(cfg)
     names = WorkerNames("omniflow-tests", "placement-probe")
 

@@ -36,7 +36,9 @@ def test_repeated_init_stages_reuse_the_run_actors(ray_cluster, transfer_queue, 
     from omni_core.trainers import build_diffusion_trainer
     from omni_core.worker_pool import pool_name
 
-    cfg = load_config(overrides=[*flow_overrides, f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
+    # Separate rollout workers (not the hybrid engine's ranks): actors of their own that a retry must reuse.
+    overrides = [*flow_overrides, "actor_rollout_ref.hybrid_engine=false", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
+    cfg = load_config(overrides=overrides)
     run = RunInfo(
         run_id="repeat-init", namespace="omniflow", checkpoint_dir=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "logs")
     )
@@ -219,15 +221,17 @@ def test_a_real_out_of_memory_update_says_which_settings_to_change(tiny_sd3_dir,
 
 # ---------------------------------------------------------------------------------------- item 9
 def test_a_killed_rollout_worker_is_replaced_and_the_weights_match(flow_reference, flow_overrides, tmp_path):
-    """SIGKILL the real RolloutWorker's process after the first checkpoint: Ray restarts it (max_restarts),
-    it gets the current weights again (or the epoch is retried from its checkpoint if the kill hit a call),
-    and the final weights equal the fault-free run's bit for bit; metrics.jsonl keeps one record per step."""
+    """SIGKILL the real RolloutWorker's process (separate workers: `hybrid_engine=false`) after the first checkpoint:
+    Ray restarts it (max_restarts), it gets the current weights again (or the epoch is retried from its checkpoint
+    if the kill hit a call), and the final weights equal the fault-free (hybrid-engine) run's bit for bit;
+    metrics.jsonl keeps one record per step."""
     from flow_utils import assert_same_weights, final_weights, run_with_kill
 
     from omni_core.tracking import read_jsonl
 
     ckpt = tmp_path / "ckpt"
-    state, killed = run_with_kill(flow_overrides, ckpt, "rwkill", "rwkill", "RolloutWorker")
+    separate = [*flow_overrides, "actor_rollout_ref.hybrid_engine=false"]  # a RolloutWorker process of its own
+    state, killed = run_with_kill(separate, ckpt, "rwkill", "rwkill", "RolloutWorker")
     assert killed, "no rollout worker was found to kill"
     assert state.is_completed(), state.message
     result = state.result()

@@ -137,11 +137,11 @@ def test_one_and_two_rollout_workers_write_identical_trajectories(ray_cluster, t
             assert same, f"{name}: column {column} differs from the 1-worker rollout"
 
 
-def test_a_run_with_two_rollout_workers_ends_with_the_weights_of_one_worker(
+def test_a_run_with_two_rollout_workers_ends_with_the_weights_of_the_hybrid_engine(
     flow_reference, flow_overrides, ray_cluster, tmp_path
 ):
-    """The lean 2-epoch run again with two rollout workers: bit-identical final weights to `flow_reference`
-    (which runs the default single worker)."""
+    """The lean 2-epoch run again with two rollout workers (processes of their own): bit-identical final weights to
+    `flow_reference`, whose single rollout worker is its training actor (the hybrid engine, the default)."""
     from flow_utils import assert_same_weights, final_weights
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
     from ray.util.state import list_actors
@@ -163,7 +163,7 @@ def test_a_run_with_two_rollout_workers_ends_with_the_weights_of_one_worker(
         run: sorted(n for n in actors if n.startswith(f"omniflow-{run}-")) for run in (flow_reference[1].run_id, result.run_id)
     }
     assert workers == {
-        flow_reference[1].run_id: [f"omniflow-{flow_reference[1].run_id}-rollout-worker-0"],
+        flow_reference[1].run_id: [],
         result.run_id: [f"omniflow-{result.run_id}-rollout-worker-{i}" for i in (0, 1)],
     }
     assert_same_weights(final_weights(ckpt), final_weights(flow_reference[2]))

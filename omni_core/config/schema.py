@@ -265,6 +265,7 @@ _arr = _Section("actor_rollout_ref")
 
 
 class ActorRolloutRefConfig(ConfigModel):
+    hybrid_engine: bool | None = _arr("hybrid_engine")
     model: ModelConfig = _arr.section("model", ModelConfig)
     actor: ActorConfig = _arr.section("actor", ActorConfig)
     ref: RefConfig = _arr.section("ref", RefConfig)

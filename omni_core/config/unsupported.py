@@ -48,7 +48,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.optim.override_optimizer_config": (
         "OmniFlow's optimizer is AdamW with actor_rollout_ref.actor.optim.{lr,betas,weight_decay}; remove this key."
     ),
-    "actor_rollout_ref.hybrid_engine": "OmniFlow always colocates actor and rollout in sync mode; remove this key.",
     "actor_rollout_ref.nccl_timeout": _FSDP,
     "actor_rollout_ref.model.use_shm": "OmniFlow loads models from a local directory (model.path); remove this key.",
     "actor_rollout_ref.model.external_lib": "OmniFlow supports the diffusers pipelines StableDiffusion3Pipeline and FluxPipeline; remove this key.",

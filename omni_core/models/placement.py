@@ -1,6 +1,6 @@
 """Where each copy of the policy runs and in what precision, read from the config in one place.
 
-Two copies exist per run: the trained one (the training actor: fp32 master weights, or a
+Two copies exist per run (one with the hybrid engine where `rollout_shares_trained_weights`): the trained one (the training actor: fp32 master weights, or a
 ``model_dtype`` base under LoRA, with ``fsdp_config.dtype`` autocast) and the rollout one (each rollout
 worker: weights in ``rollout.dtype``, no autocast, no gradients). Both live on ``trainer.device``; inside
 a Ray actor that is the accelerator Ray assigned (Ray sets ``CUDA_VISIBLE_DEVICES`` /
@@ -95,6 +95,20 @@ def rollout_policy_kwargs(config: Any, prompt_embeddings: str | None) -> dict[st
         "prompt_embeddings": prompt_embeddings,
         "trainable": False,
     }
+
+
+def rollout_shares_trained_weights(config: Any, prompt_embeddings: str | None) -> bool:
+    """Hybrid engine: whether a rank's rollout samples with the trained modules themselves (`FlowPolicy.sampling_view`)
+    or needs a copy of its own. Sharing gives the same numbers as a separate rollout copy only when the weights are
+    already in `rollout.dtype` with no autocast (`fsdp_config.model_dtype == fsdp_config.dtype == rollout.dtype`),
+    both sides use one attention backend, and the prompts come from an embedding file (the trained copy has no
+    text encoders). Otherwise (e.g. fp32 master weights with a bf16 rollout, as on a GPU) the rank keeps a
+    `rollout.dtype` copy and refreshes it in-process after each update."""
+    arr = config.actor_rollout_ref
+    fsdp = arr.actor.fsdp_config
+    same_dtype = torch_dtype(fsdp.model_dtype) == torch_dtype(fsdp.dtype) == torch_dtype(arr.rollout.dtype)
+    same_attention = ROLLOUT_ATTN_BACKENDS[arr.rollout.rollout_attn_backend] == arr.model.attn_backend
+    return prompt_embeddings is not None and same_dtype and same_attention
 
 
 def module_placement(policy: Any) -> dict[str, dict[str, list[str]]]:

@@ -133,6 +133,20 @@ class FlowPolicy:
         kwargs.update(overrides)
         return cls(model_cfg.path, **kwargs)
 
+    def sampling_view(self, prompt_embeddings: str | Path) -> FlowPolicy:
+        """A second policy over this one's modules for sampling in the same process (verl's hybrid engine): the same
+        transformer, VAE and scheduler objects, so every update is seen at once and nothing is copied. Prompts come
+        from the `prompt_embeddings` file; no autocast, no torch.compile (turn it on with `enable_torch_compile`), no
+        forward wrapper (DDP's forward prepares a backward a rollout never runs). Only for a policy whose weights
+        are already in the rollout's dtype (`placement.rollout_shares_trained_weights`)."""
+        from omni_core.models.prompt_embeddings import PromptEmbeddings
+
+        view = copy.copy(self)  # shallow: the modules are shared
+        view.compute_dtype, view._forward_module = None, None
+        view.torch_compile, view._compile_options, view._compiled = False, {}, {}
+        view.prompt_embeddings = PromptEmbeddings(prompt_embeddings)
+        return view
+
     # ----------------------------------------------------------------------------- set-up helpers
     def _set_attention_backend(self, name: str) -> None:
         setter = getattr(self.base_transformer, "set_attention_backend", None)

@@ -39,7 +39,7 @@ from omni_core.data.prompts import PromptRecord
 from omni_core.faults import is_out_of_memory, out_of_memory_error
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
-from omni_core.resources import resource_plan, rollout_worker_count, standalone_rollout
+from omni_core.resources import resource_plan, rollout_worker_count, standalone_rollout, uses_hybrid_engine
 from omni_core.rewards.failures import check_failure_share
 from omni_core.rollout import queue_record
 from omni_core.rollout.group_refill import (
@@ -158,14 +158,21 @@ class PolicyGradientDiffusionTrainerV1:
         standalone = standalone_rollout(self.config)
         busy_elsewhere = len(plan.rollout) * rollout_threads(standalone) if standalone else 0
         threads = cpu_threads(len(plan.training), busy_elsewhere)
-        self.ranks = TrainingRanks.create(self.config, names, plan, options, self.total_training_steps, threads)
+        colocated = None
+        if uses_hybrid_engine(self.config):  # each rank is also a rollout worker (verl's hybrid engine)
+            colocated = {"rollout_threads": rollout_threads(standalone), "prompt_embeddings": self.run.prompt_embeddings}
+        self.ranks = TrainingRanks.create(self.config, names, plan, options, self.total_training_steps, threads, colocated)
         self.actor = self.ranks.leader
         self._start_agent_loop()  # the rollout workers load their model while the ranks load theirs
 
     def _start_agent_loop(self) -> None:
         """Start the rollout workers without waiting for them (`init_agent_loop` waits). A retried init keeps the
-        workers (and their owning handles) its failed try started."""
+        workers (and their owning handles) its failed try started. Hybrid engine: the workers are the ranks."""
         if self.agent_loop is not None:
+            return
+        if uses_hybrid_engine(self.config):
+            assert self.ranks is not None, "the hybrid engine's rollout workers are the training ranks: start them first"
+            self.agent_loop = AgentLoopManager.in_training_ranks(self.ranks.handles, self.run.names)
             return
         plan = resource_plan(self.config)
         pool = create_pool(plan, self.run.names)
@@ -214,7 +221,7 @@ class PolicyGradientDiffusionTrainerV1:
         names, t = self.run.names, self.config.trainer
         self.ranks = TrainingRanks.attach(names, t.n_gpus_per_node * t.nnodes, self.config.actor_rollout_ref.actor.strategy)
         self.actor = self.ranks.leader
-        self.agent_loop = AgentLoopManager.attach(names, rollout_worker_count(self.config))
+        self.agent_loop = AgentLoopManager.attach(names, rollout_worker_count(self.config), uses_hybrid_engine(self.config))
         tqc.attach()
 
     def close(self) -> None:
@@ -248,10 +255,8 @@ class PolicyGradientDiffusionTrainerV1:
 
     def _await_actors(self, timeout_s: float = ACTOR_RESTART_TIMEOUT_S) -> None:
         """Wait (bounded) for actors that Ray is restarting after a crash (they reload the base model)."""
-        assert self.ranks is not None
-        handles = [*self.ranks.handles, *(self.agent_loop.workers if self.agent_loop else [])]
         deadline = time.monotonic() + timeout_s
-        for handle in handles:
+        for handle in self._actor_handles():
             while True:
                 try:
                     ray.get(handle.get_version.remote(), timeout=max(1.0, deadline - time.monotonic()))
@@ -283,9 +288,13 @@ class PolicyGradientDiffusionTrainerV1:
         """Every process of the run (this one, the training actor, the rollout workers) on the cluster's
         current TransferQueue: after `restart_transfer_queue` their clients still talk to the dead one."""
         tqc.attach()
+        ray.get([h.attach_transfer_queue.remote() for h in self._actor_handles()], timeout=ACTOR_CALL_TIMEOUT_S)
+
+    def _actor_handles(self) -> list[Any]:
+        """The training ranks, then the rollout workers that are processes of their own (not the hybrid engine's)."""
         assert self.ranks is not None
-        handles = [*self.ranks.handles, *(self.agent_loop.workers if self.agent_loop else [])]
-        ray.get([h.attach_transfer_queue.remote() for h in handles], timeout=ACTOR_CALL_TIMEOUT_S)
+        separate = self.agent_loop is not None and not self.agent_loop.colocated
+        return [*self.ranks.handles, *(self.agent_loop.workers if separate else [])]
 
     def _save_checkpoint(self) -> str:
         t = self.config.trainer
@@ -569,8 +578,8 @@ class PolicyGradientDiffusionTrainerV1:
 
     def _push_weights(self) -> None:
         """Send the actor's weights to every rollout worker (an object-store ref, fetched once per worker)."""
-        if self.agent_loop is None or self.ranks is None:
-            return
+        if self.agent_loop is None or self.ranks is None or self.agent_loop.colocated:
+            return  # hybrid engine: the ranks sample with the weights they train
         weights = self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S)
         self.agent_loop.update_weights(weights, self.global_step)
 

@@ -30,7 +30,25 @@ def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     elif mode == "sync":
         p.extend(_async_keys_in_sync(config))
     p.extend(_group_refill_problems(config))
+    p.extend(_hybrid_engine_problems(config))
     return p
+
+
+def _hybrid_engine_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """`actor_rollout_ref.hybrid_engine=true` where the rollout cannot run inside the training ranks (null picks
+    separate rollout workers there by itself)."""
+    from omni_core.resources import hybrid_engine_obstacles
+
+    if config.actor_rollout_ref.hybrid_engine is not True:
+        return []
+    return [
+        ConfigProblem(
+            "actor_rollout_ref.hybrid_engine",
+            f"{reason} ({key}); set actor_rollout_ref.hybrid_engine=false (separate rollout workers) or null",
+            True,
+        )
+        for key, reason in hybrid_engine_obstacles(config)
+    ]
 
 
 def _group_refill_problems(config: OmniFlowConfig) -> list[ConfigProblem]:

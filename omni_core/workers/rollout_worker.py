@@ -67,16 +67,29 @@ class RolloutResult:
 class RolloutWorker:
     """Holds a copy of the policy for sampling and the reward functions; writes into the TransferQueue."""
 
-    def __init__(self, config: dict[str, Any], worker_index: int, num_threads: int, prompt_embeddings: str | None = None):
-        torch.set_num_threads(num_threads)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker_index: int,
+        num_threads: int,
+        prompt_embeddings: str | None = None,
+        policy: FlowPolicy | None = None,
+        set_threads: bool = True,
+    ):
+        """A worker process of its own sets torch's thread count; inside a training rank (the hybrid engine:
+        `set_threads=False`, or `policy`, a view of the rank's trained modules) the rank sets it per call."""
+        if set_threads and policy is None:
+            torch.set_num_threads(num_threads)
         self.config: OmniFlowConfig = config_from_dict(config)
         self.index = worker_index
-        # On the run's device, in rollout.dtype, with rollout_attn_backend; prompts from the embedding file.
-        kwargs = rollout_policy_kwargs(self.config, prompt_embeddings)
-        self.policy = FlowPolicy.from_model_config(self.config.actor_rollout_ref.model, **kwargs)
-        self.policy.transformer.eval()
-        if self.config.actor_rollout_ref.rollout.use_torch_compile:
-            self.policy.enable_torch_compile()
+        if policy is None:
+            # On the run's device, in rollout.dtype, with rollout_attn_backend; prompts from the embedding file.
+            kwargs = rollout_policy_kwargs(self.config, prompt_embeddings)
+            policy = FlowPolicy.from_model_config(self.config.actor_rollout_ref.model, **kwargs)
+            policy.transformer.eval()
+            if self.config.actor_rollout_ref.rollout.use_torch_compile:
+                policy.enable_torch_compile()
+        self.policy = policy
         self.rewards = RewardManager(self.config.reward)
         self.version = 0
         # The TransferQueue is joined at the first request (the flow starts the workers while it starts the queue).

@@ -52,11 +52,13 @@ from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.device import PROCESS_GROUP_BACKENDS
 from omni_core.faults import is_peer_rank_lost
-from omni_core.models.placement import module_placement, training_policy_kwargs
+from omni_core.models.placement import module_placement, rollout_shares_trained_weights, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
+from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampler import score_transitions
 from omni_core.rollout.trajectory import Trajectory
 from omni_core.workers import fsdp2
+from omni_core.workers.rollout_worker import RolloutResult, RolloutWorker
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +97,18 @@ class TrainingActor:
         text_encoders: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        rollout_threads: int | None = None,
+        prompt_embeddings: str | None = None,
     ):
         """`text_encoders=True` keeps the pipeline's text encoders loaded, for in-process use that also samples
         with this policy (benchmarks/plain_loop.py); the Ray actor reads prompt embeddings from trajectories.
-        `rank` of `world_size` data-parallel ranks: the group forms in `join_process_group`."""
+        `rank` of `world_size` data-parallel ranks: the group forms in `join_process_group`. `rollout_threads`
+        (verl's hybrid engine): this rank is also rollout worker `rank` (`generate`), sampling on that many torch
+        threads with the prompts of the `prompt_embeddings` file."""
         torch.set_num_threads(num_threads)
+        self.num_threads, self.rollout_threads, self.prompt_embeddings = num_threads, rollout_threads, prompt_embeddings
+        self._rollout: RolloutWorker | None = None  # the colocated rollout worker, made at the first `generate`
+        self._rollout_synced: tuple[int, int] | None = None  # (id(policy), version) its own copy was refreshed at
         self.config: OmniFlowConfig = config_from_dict(config)
         self.total_training_steps = total_training_steps
         self.text_encoders = text_encoders
@@ -132,6 +141,47 @@ class TrainingActor:
         self.grad_scaler = torch.amp.GradScaler(self.policy.device.type) if fp16 else None
         self.version = 0  # the global step whose update produced the current weights
 
+    # ------------------------------------------------------------------------------- hybrid engine
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """This rank's rollout worker (verl's hybrid engine): sample, score and store `request` in this process,
+        with the trained weights as they are now (no push), on `rollout_threads` torch threads; see
+        `RolloutWorker.generate`."""
+        if self.rollout_threads is None:
+            raise RuntimeError("this training rank was started without a colocated rollout (actor_rollout_ref.hybrid_engine)")
+        worker = self._colocated_rollout()
+        transformer = self.policy.transformer
+        was_training = transformer.training
+        transformer.eval()
+        torch.set_num_threads(self.rollout_threads)
+        try:
+            return worker.generate(request)
+        finally:
+            torch.set_num_threads(self.num_threads)
+            transformer.train(was_training)
+
+    def _colocated_rollout(self) -> RolloutWorker:
+        """The rollout worker over the current weights: a view of the trained modules where that gives the same
+        numbers as a rollout copy (`rollout_shares_trained_weights`), else a `rollout.dtype` copy refreshed here
+        whenever the weights changed since it last sampled."""
+        config = self.config.model_dump(mode="json")
+        if rollout_shares_trained_weights(self.config, self.prompt_embeddings):
+            if (
+                self._rollout is None or self._rollout.policy.transformer is not self.policy.transformer
+            ):  # `_build` made new modules
+                assert self.prompt_embeddings is not None
+                view = self.policy.sampling_view(self.prompt_embeddings)
+                if self.config.actor_rollout_ref.rollout.use_torch_compile:
+                    view.enable_torch_compile()
+                self._rollout = RolloutWorker(config, self.rank, self.rollout_threads or 1, policy=view)
+            return self._rollout
+        if self._rollout is None:
+            self._rollout = RolloutWorker(config, self.rank, self.rollout_threads or 1, self.prompt_embeddings, set_threads=False)
+        marker = (id(self.policy), self.version)
+        if self._rollout_synced != marker:
+            self._rollout.set_weights(self.get_weights(), self.version)
+            self._rollout_synced = marker
+        return self._rollout
+
     def _build_optimizer(self) -> None:
         """AdamW and its LR schedule over the current trainable parameters (FSDP2 replaces them with shards)."""
         optim = self.config.actor_rollout_ref.actor.optim
@@ -141,6 +191,9 @@ class TrainingActor:
     # ------------------------------------------------------------------------------- state
     def get_version(self) -> int:
         return self.version
+
+    def ping(self) -> int:
+        return self.rank
 
     def pid(self) -> int:
         """The actor's process id (for observability and fault-injection tests)."""
@@ -241,6 +294,7 @@ class TrainingActor:
         """
         if self.strategy == "fsdp2":
             raise RuntimeError("fsdp2 ranks restore together, in join_process_group(checkpoint=...)")
+        self._rollout_synced = None  # the colocated rollout copy (if any) follows the weights loaded here
         if checkpoint is None:
             self._build()  # a new transformer: the trainer forms the group again (join_process_group) before training
             self.ddp, self.group_generation = None, None
