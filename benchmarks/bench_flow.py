@@ -95,6 +95,7 @@ class TreeSampler(threading.Thread):
         self.procs: dict[int, psutil.Process] = {}
         self.labels: dict[int, str] = {}
         self.cpu_s: dict[int, float] = {}  # last seen user+system CPU seconds per process
+        self.cpu_series: list[tuple[float, dict[int, float]]] = []  # (t, CPU seconds by pid so far)
         self.series: list[tuple[float, float, float | None, int]] = []  # (t, rss MB, pss MB, processes)
         self.peak_rss = 0.0
         self.peak_pss: float | None = None
@@ -157,6 +158,7 @@ class TreeSampler(threading.Thread):
             if p_uss is not None:
                 uss += p_uss
         rss_mb, pss_mb, uss_mb = rss / 2**20, (pss / 2**20 if self.pss_available else None), uss / 2**20
+        self.cpu_series.append((time.monotonic() - self.t0, dict(self.cpu_s)))
         self.series.append(
             (round(time.monotonic() - self.t0, 2), round(rss_mb, 1), None if pss_mb is None else round(pss_mb, 1), alive)
         )
@@ -178,6 +180,23 @@ class TreeSampler(threading.Thread):
     def stop(self) -> None:
         self.stop_event.set()
         self.join(timeout=30)
+
+    def cpu_share_between(self, t0: float, t1: float) -> dict[str, float]:
+        """Each process's share of the machine's CPU between `t0` and `t1` (seconds since the sampler started), by
+        its label without the Ray method it ran last (`ray::TrainingActor.generate` -> `ray::TrainingActor`): CPU
+        seconds from the last samples at or before each time, over (t1 - t0) x the CPU count."""
+        before = [c for t, c in self.cpu_series if t <= t0]
+        after = [c for t, c in self.cpu_series if t <= t1]
+        if not before or not after or t1 <= t0:
+            return {}
+        a, b = before[-1], after[-1]
+        span = (t1 - t0) * (os.cpu_count() or 1)
+        shares: dict[str, float] = {}
+        for pid, cpu in b.items():
+            label = self.labels.get(pid, "?")
+            label = label.split(".")[0] if label.startswith("ray::") else label
+            shares[label] = shares.get(label, 0.0) + (cpu - a.get(pid, 0.0)) / span
+        return {k: round(v, 4) for k, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v > 0}
 
     def summary(self) -> dict[str, Any]:
         def top(d: dict[str, float]) -> dict[str, float]:
@@ -251,6 +270,7 @@ def run_monitored(
     return {
         "returncode": rc,
         "wall_s": round(wall, 3),
+        "sampler": sampler,
         "marks": found,
         "lines": lines,
         "memory": sampler.summary(),
@@ -478,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
                 "images_per_s": flow_steady["steady_images"] / (last_t - first_t),
                 "gap_outside_steps_s": round(last_t - first_t - flow_steady["steady_step_s_sum"], 3),
             }
+            # What each process of the run took of the machine while it trained (steps 2..N): the training actor's
+            # work and the rest of the run's "background" (Prefect server, fit_epoch, flow process, TQ, Ray daemons),
+            # whose cost to a step that owns every core benchmarks/bench_background.py measures.
+            shares = flow["sampler"].cpu_share_between(first_t, last_t)
+            window["cpu_share_by_process"] = shares
+            window["background_cpu_share"] = round(sum(v for k, v in shares.items() if "TrainingActor" not in k), 4)
         flow_result = {
             "command": " ".join(["python", "-m", "omniflow.flows.main_diffusion_v1", *flow_overrides]),
             "env": {"PREFECT_HOME": "<tmp>/prefect (fresh)", "PREFECT_API_URL": "unset (embedded server)"},

@@ -379,10 +379,16 @@ class PolicyGradientDiffusionTrainerV1:
         t = self.config.trainer
         self.on_step_begin()
         with timer("step"):
+            busy_before = self.agent_loop.busy_seconds
             with timer("gen"):
                 self.on_sample_begin()
                 batch = self._sample_training_batch(step)
                 self.on_sample_end()
+            if not standalone_rollout(self.config):  # sync: the workers sampled only this step's requests
+                self.agent_loop.check_alive()  # collects their own clocks
+                # The workers' own time in `generate` (sampling, rewards, TQ put), a mean over the workers: what of
+                # timing_s/gen is not dispatch and queue reads.
+                timer.timing["gen_worker"] = (self.agent_loop.busy_seconds - busy_before) / len(self.agent_loop.workers)
             keys = batch.trajectory_keys
             rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
             with timer("adv"):
