@@ -163,19 +163,19 @@ class TrainingActor:
         """The rollout worker over the current weights: a view of the trained modules where that gives the same
         numbers as a rollout copy (`rollout_shares_trained_weights`), else a `rollout.dtype` copy refreshed here
         whenever the weights changed since it last sampled."""
-        config = self.config.model_dump(mode="json")
+        threads = self.rollout_threads or 1
         if rollout_shares_trained_weights(self.config, self.prompt_embeddings):
-            if (
-                self._rollout is None or self._rollout.policy.transformer is not self.policy.transformer
-            ):  # `_build` made new modules
+            stale = self._rollout is None or self._rollout.policy.transformer is not self.policy.transformer
+            if stale:  # the first call, or `_build` made new modules
                 assert self.prompt_embeddings is not None
                 view = self.policy.sampling_view(self.prompt_embeddings)
                 if self.config.actor_rollout_ref.rollout.use_torch_compile:
                     view.enable_torch_compile()
-                self._rollout = RolloutWorker(config, self.rank, self.rollout_threads or 1, policy=view)
+                self._rollout = RolloutWorker(self.config.model_dump(mode="json"), self.rank, threads, policy=view)
             return self._rollout
         if self._rollout is None:
-            self._rollout = RolloutWorker(config, self.rank, self.rollout_threads or 1, self.prompt_embeddings, set_threads=False)
+            config = self.config.model_dump(mode="json")
+            self._rollout = RolloutWorker(config, self.rank, threads, self.prompt_embeddings, set_threads=False)
         marker = (id(self.policy), self.version)
         if self._rollout_synced != marker:
             self._rollout.set_weights(self.get_weights(), self.version)
