@@ -78,6 +78,7 @@ def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nod
         "trainer.n_gpus_per_node=1",
         "actor_rollout_ref.actor.strategy=ddp",
         "actor_rollout_ref.rollout.agent.num_workers=2",
+        "actor_rollout_ref.hybrid_engine=false",  # rollout workers of their own, placed on their ranks' nodes
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=2",  # one per node (auto would size from this box)
     ]
     # The session's Prefect API, as a cluster run uses one server that every node reaches (README).

@@ -247,8 +247,11 @@ def test_lora_export_loads_with_load_lora_weights(tiny_sd3_dir, tmp_path, one_to
         trained = actor.policy.transformer(**inputs)[0]
         evaluated = load_policy(cfg, ckpt).transformer(**inputs)[0]  # what the evaluation scores
     assert (trained - base).abs().max() > 1e-4
-    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-6)
-    torch.testing.assert_close(evaluated, trained, rtol=0, atol=1e-6)
+    # fp32 rounding of the output's scale (the random adapter makes it ~1e3): on an AVX-512 CPU two copies of one
+    # model differ by ~1 ulp in some layers (the same layer replayed on a copy of its input agrees bit for bit).
+    atol = 8 * torch.finfo(torch.float32).eps * float(trained.abs().max())
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=atol)
+    torch.testing.assert_close(evaluated, trained, rtol=0, atol=atol)
 
 
 def test_export_refuses_a_folder_that_is_not_an_earlier_export(tiny_sd3_dir, tmp_path):

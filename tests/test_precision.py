@@ -50,9 +50,14 @@ def _step(tiny_sd3_dir, *overrides: str, step: int = 1):
 
 
 def test_fp32_rollout_and_training_agree_bit_for_bit(tiny_sd3_dir, one_torch_thread):
+    """The first ratio is exactly 1 (old and new log-probs come from one code path). A separate fp32 rollout copy
+    agrees with the recomputation to fp32 rounding: 0 on the machines this was written on, 1.2e-7 on an AVX-512 CPU
+    where two copies of one model differ by ~1 ulp in some layers (the same layer replayed on a copy of its input
+    agrees bit for bit)."""
     _, traj, metrics = _step(tiny_sd3_dir)
     assert metrics["actor/ratio_mean"] == 1.0
-    assert metrics["training/rollout_probs_diff_max"] == 0.0 == metrics["training/rollout_probs_diff_mean"]
+    assert metrics["training/rollout_probs_diff_max"] <= 1e-6
+    assert metrics["training/rollout_probs_diff_mean"] <= metrics["training/rollout_probs_diff_max"]
 
 
 def test_bf16_rollout_and_bf16_training_report_their_drift(tiny_sd3_dir, one_torch_thread):
