@@ -1,7 +1,9 @@
 """Metrics: verl-omni's per-step data metrics and the tracking backends (`trainer.logger`).
 
 Backends: `console` (one line per step with a progress bar, to stdout or to a line sink such as the
-Prefect run's log), `file` (JSONL, one record per step) and `tensorboard` (torch's SummaryWriter). Names follow verl-omni (`critic/rewards/mean`,
+Prefect run's log), `file` (JSONL, one record per step), `tensorboard` (torch's SummaryWriter) and `wandb` (one
+wandb run per training run, its id stable across the run's epochs, retried epochs and resumes; offline, under
+`<log dir>/wandb` for `wandb sync`, when no API key is configured). Names follow verl-omni (`critic/rewards/mean`,
 `actor/pg_loss`, `timing_s/gen`, `perf/throughput`, ...). Validation images (`trainer.log_val_generations`)
 go to the same backends through `Tracking.log_images`: PNG files plus a JSONL index, TensorBoard images
 with their captions, and a console line that says where they went.
@@ -9,13 +11,19 @@ with their captions, and a console line that says where they went.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import netrc
+import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -67,6 +75,43 @@ class _Span:
         self.timer.timing[self.name] = self.timer.timing.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
+@dataclass(frozen=True)
+class WandbRun:
+    """Where the `wandb` backend logs: `project` (`trainer.project_name`), the run's display `name`
+    (`trainer.experiment_name`), its `run_id` (`wandb_run_id`) and the config shown in wandb's config panel."""
+
+    project: str
+    name: str
+    run_id: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def wandb_run_id(project: str, experiment: str, checkpoint_dir: str | Path) -> str:
+    """The wandb run id of a training run: the experiment's name plus a hash of (project, experiment, checkpoint
+    folder). Every epoch, retried epoch and resumed run of one checkpoint folder logs to the same wandb run; a run
+    in another folder starts a new one."""
+    key = f"{project}\n{experiment}\n{Path(checkpoint_dir).resolve()}"
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", experiment).strip("-")[:40] or "run"
+    return f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def wandb_mode() -> str | None:
+    """`WANDB_MODE` when it is set (None: wandb reads it); else `online` with an API key (`WANDB_API_KEY`, or a
+    ~/.netrc entry for the wandb host that `wandb login` writes) and `offline` without one: the run is kept under
+    `<log dir>/wandb/offline-run-*` for `wandb sync`, and training never waits on a login prompt."""
+    if os.environ.get("WANDB_MODE"):
+        return None
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        if host and netrc.netrc().authenticators(host):
+            return "online"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
 class Tracking:
     """Logs step metrics to the backends named in `trainer.logger`."""
 
@@ -78,13 +123,17 @@ class Tracking:
         stream: Any = None,
         console_sink: Callable[[str], None] | None = None,
         resume_step: int | None = None,
+        wandb_run: WandbRun | None = None,
     ):
-        """`console` lines go to `console_sink` when given, else to `stream` (default stdout).
+        """`console` lines go to `console_sink` when given, else to `stream` (default stdout). `wandb_run`: where
+        the `wandb` backend logs (required with it).
 
         `resume_step`: the step a (retried or resumed) epoch restarts from. Records of later steps, written by
         the try that failed, are dropped (metrics.jsonl and val_generations.jsonl rewritten without them;
         TensorBoard told with `purge_step`), so that every step ends with one record. At 0 every record goes
-        (step 0 holds validation before training, which the new try logs again).
+        (step 0 holds validation before training, which the new try logs again). wandb keeps a run's history
+        append-only: it keeps the failed try's record of a step it already has and drops the new one (on a CPU
+        run the two are bit-identical).
         """
         self.backends = list(backends)
         self.log_dir = Path(log_dir)
@@ -102,6 +151,11 @@ class Tracking:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=purge_from)
+        self._wandb = None
+        if "wandb" in self.backends:
+            if wandb_run is None:
+                raise ValueError("the wandb backend needs a WandbRun (project, name, run id)")
+            self._wandb = _start_wandb(wandb_run, self.log_dir)
 
     @property
     def jsonl_path(self) -> Path:
@@ -132,6 +186,8 @@ class Tracking:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
 
     def log_images(self, step: int, images: torch.Tensor, captions: Sequence[str]) -> None:
         """Validation images (uint8 `[N, 3, H, W]`, one caption each) to every backend of `trainer.logger`.
@@ -167,9 +223,15 @@ class Tracking:
                 self._tb.add_text(f"val/generations/{i}/caption", caption, step)
             self._tb.flush()
             where.append(f"tensorboard {self.log_dir / 'tensorboard'} (val/generations/*)")
+        if self._wandb is not None:
+            import wandb
+
+            pictures = [wandb.Image(image.permute(1, 2, 0).numpy(), caption=c) for image, c in zip(images, captions, strict=True)]
+            self._wandb.log({"val/generations": pictures}, step=step)
+            where.append(f"wandb run {self._wandb.id} (val/generations)")
         if "console" in self.backends:
             line = f"step {step}: {images.shape[0]} validation image(s) -> " + (
-                "; ".join(where) if where else "not stored (add file or tensorboard to trainer.logger)"
+                "; ".join(where) if where else "not stored (add file, tensorboard or wandb to trainer.logger)"
             )
             if self.console_sink is not None:
                 self.console_sink(line)
@@ -190,6 +252,29 @@ class Tracking:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(run: WandbRun, log_dir: Path) -> Any:
+    """`wandb.init` of the training run's wandb run, resumed when it exists (each epoch is a Prefect task that
+    opens and finishes it). wandb leaves the process's console alone and samples no system metrics (its
+    sampler would take CPU from the step on a small machine)."""
+    import wandb
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    settings = wandb.Settings(console="off", x_disable_stats=True, quiet=True)
+    return wandb.init(
+        project=run.project,
+        name=run.name,
+        id=run.run_id,
+        resume="allow",
+        dir=str(log_dir),
+        mode=wandb_mode(),
+        config=run.config,
+        settings=settings,
+    )
 
 
 def _drop_records_from(path: Path, step: int) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import struct
 
 import numpy as np
 import pytest
@@ -130,7 +132,7 @@ def test_console_backend_says_where_the_images_went(tmp_path):
     Tracking(["console"], tmp_path / "a", total_steps=4, console_sink=lines.append).log_images(1, images, captions)
     Tracking(["console", "file"], tmp_path / "b", total_steps=4, console_sink=lines.append).log_images(1, images, captions)
     assert lines == [
-        "step 1: 2 validation image(s) -> not stored (add file or tensorboard to trainer.logger)",
+        "step 1: 2 validation image(s) -> not stored (add file, tensorboard or wandb to trainer.logger)",
         f"step 1: 2 validation image(s) -> {tmp_path / 'b' / 'val_generations'}",
     ]
 
@@ -142,3 +144,94 @@ def test_log_images_refuses_what_is_not_uint8_chw_with_one_caption_each(tmp_path
         tracking.log_images(1, images.float(), captions)
     with pytest.raises(ValueError, match="2 images but 1 captions"):
         tracking.log_images(1, images, captions[:1])
+
+
+# ------------------------------------------------------------------------------------------------ wandb
+@pytest.fixture
+def wandb_offline_env(tmp_path, monkeypatch):
+    """No API key, no ~/.netrc, no WANDB_MODE: what a laptop without `wandb login` has (wandb's own files in tmp)."""
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    (tmp_path / "home").mkdir()
+
+
+def _wandb_records(path) -> list[bytes]:
+    """The records of a `.wandb` transaction log, read independently of wandb (whose Python reader is gone since
+    wandb-core): a 7-byte header (`:W&B`, magic 0xBEE1, version 0), then 32 KiB blocks of chunks, each with a
+    7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last); a block's tail too short for a
+    header is padding."""
+    data, block = path.read_bytes(), 32768
+    assert data[:7] == b":W&B" + struct.pack("<HB", 0xBEE1, 0), data[:7]
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zeroed tail of the last block
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+    return records
+
+
+def _wandb_history(run_dir) -> list[dict]:
+    """The history rows of an offline wandb run (its `run-<id>.wandb` log), parsed with wandb's protobuf schema."""
+    from wandb.proto import wandb_internal_pb2
+
+    (log,) = run_dir.glob("*.wandb")
+    rows = []
+    for data in _wandb_records(log):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows
+
+
+def test_wandb_without_an_api_key_logs_offline_one_run_per_checkpoint_folder(tmp_path, wandb_offline_env):
+    """Two epochs (two Tracking objects, as two fit_epoch tasks) of one checkpoint folder: offline runs under the log
+    folder, both with the folder's run id, whose history holds every step's finite metrics and the images."""
+    from omni_core.tracking import WandbRun, wandb_mode, wandb_run_id
+
+    assert wandb_mode() == "offline"
+    run_id = wandb_run_id("omniflow", "tiny sd3/jpeg", tmp_path / "ckpt")
+    assert run_id == wandb_run_id("omniflow", "tiny sd3/jpeg", tmp_path / "ckpt" / ".." / "ckpt")  # same folder
+    assert run_id != wandb_run_id("omniflow", "tiny sd3/jpeg", tmp_path / "other")
+    assert run_id.startswith("tiny-sd3-jpeg-")
+    run = WandbRun("omniflow", "tiny sd3/jpeg", run_id, {"data": {"train_batch_size": 2}})
+    log_dir = tmp_path / "logs"
+    for step, metrics in ((1, STEP_1), (2, STEP_2)):
+        tracking = Tracking(["wandb"], log_dir, total_steps=2, wandb_run=run)
+        tracking.log(metrics, step=step)
+        if step == 2:
+            tracking.log_images(2, torch.zeros(1, 3, 8, 8, dtype=torch.uint8), ["a red circle"])
+        tracking.close()
+
+    # One offline run per epoch (wandb adds "-1" to a folder name taken in the same second), in order.
+    runs = sorted((log_dir / "wandb").glob(f"offline-run-*-{run_id}*"))
+    assert len(runs) == 2, list((log_dir / "wandb").iterdir())
+    first, second = (_wandb_history(r) for r in runs)
+    assert [(row["_step"], row["critic/rewards/mean"], row["actor/pg_loss"]) for row in first] == [(1, -0.5, 0.25)]
+    assert "bad" not in first[0]  # NaN is not logged
+    assert [row["_step"] for row in second] == [2]
+    assert second[0]["critic/rewards/mean"] == -0.25
+    assert second[0]["val/generations/_type"] == "images/separated"
+    assert second[0]["val/generations/captions"] == ["a red circle"]
+    (png,) = second[0]["val/generations/filenames"]
+    assert (runs[1] / "files" / png).is_file()
+
+
+def test_wandb_mode_follows_the_api_key_and_wandb_mode(tmp_path, wandb_offline_env, monkeypatch):
+    from omni_core.tracking import wandb_mode
+
+    (tmp_path / "home" / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789\n")
+    (tmp_path / "home" / ".netrc").chmod(0o600)
+    assert wandb_mode() == "online"  # `wandb login` wrote the key
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() is None  # wandb.init reads WANDB_MODE itself

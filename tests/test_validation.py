@@ -46,7 +46,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "without a gradient scaler",
     ),
     (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "not implemented"),
-    (["trainer.logger=[console,wandb]"], "trainer.logger", "network"),
+    (["trainer.logger=[console,mlflow]"], "trainer.logger", "not available in OmniFlow"),
     # wrong types and single-field limits
     (["trainer.total_epochs=abc"], "trainer.total_epochs", "integer"),
     (["data.train_batch_size=2.5"], "data.train_batch_size", "integer"),

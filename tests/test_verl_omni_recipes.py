@@ -36,7 +36,6 @@ REFUSED_IN_BOTH = {
     "actor_rollout_ref.rollout.max_prompt_embed_length",  # the encoders fix the embedding length
     "reward.reward_model",  # a served reward model on its own pool (every reward.reward_model.* key)
     "reward.num_workers",  # rewards are scored inside the rollout workers (streaming reward)
-    "trainer.logger",  # wandb needs a network service
 }
 
 EXPECTED_REFUSED: dict[str, set[str]] = {

@@ -387,7 +387,7 @@ class TrainerConfig(ConfigModel):
     total_training_steps: PositiveInt | None = _t("total_training_steps")
     project_name: str = _t("project_name")
     experiment_name: str = _t("experiment_name")
-    logger: tuple[Literal["console", "file", "tensorboard"], ...] = _t("logger")
+    logger: tuple[Literal["console", "file", "tensorboard", "wandb"], ...] = _t("logger")
     nnodes: PositiveInt = _t("nnodes")
     n_gpus_per_node: PositiveInt = _t("n_gpus_per_node")
     device: Literal["auto", "cuda", "npu", "cpu"] = _t("device")

@@ -143,8 +143,8 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
         "colocate_async": "colocate_async is not implemented (verl-omni has only a yaml stub); use sync or separate_async.",
     },
     "trainer.logger": {
-        b: f"the {b} backend needs a network service; use console, file or tensorboard."
-        for b in ("wandb", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+        b: f"the {b} backend is not available in OmniFlow; use console, file, tensorboard or wandb."
+        for b in ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
     },
     "transfer_queue.backend.storage_backend": {
         b: f"{b} is not supported; use SimpleStorage." for b in ("MooncakeStore", "Yuanrong", "RayStore")

@@ -54,7 +54,7 @@ from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
-from omni_core.tracking import Timer, Tracking, data_metrics, timing_metrics
+from omni_core.tracking import Timer, Tracking, WandbRun, data_metrics, timing_metrics, wandb_run_id
 from omni_core.training_ranks import TrainingRanks
 from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.worker_pool import actor_options, create_pool, remove_pool
@@ -342,6 +342,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.total_training_steps,
             console_sink=self._log if self.log_callback is not None else None,
             resume_step=self.global_step,  # a retried epoch replaces the records its failed try wrote
+            wandb_run=self._wandb_run() if "wandb" in self.config.trainer.logger else None,
         )
         try:
             if self.config.trainer.val_only:
@@ -588,6 +589,12 @@ class PolicyGradientDiffusionTrainerV1:
             return  # hybrid engine: the ranks sample with the weights they train
         weights = self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S)
         self.agent_loop.update_weights(weights, self.global_step)
+
+    def _wandb_run(self) -> WandbRun:
+        """The `wandb` backend's run: one per checkpoint folder, so epochs, retries and resumes continue it."""
+        t = self.config.trainer
+        run_id = wandb_run_id(t.project_name, t.experiment_name, t.checkpoint_dir)
+        return WandbRun(t.project_name, t.experiment_name, run_id, self.config.model_dump(mode="json"))
 
     # ------------------------------------------------------------------------ logs
     def _log(self, message: str, level: int = logging.INFO) -> None:

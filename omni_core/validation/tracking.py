@@ -7,7 +7,7 @@ import importlib.util
 from omni_core.config import ConfigProblem, OmniFlowConfig
 
 # Backend -> (the package it needs, how to install it).
-BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard")}
+BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install wandb")}
 
 
 def tracking_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
