@@ -11,7 +11,7 @@ import pytest
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.make_dataset import make_dataset
 from omni_core.data.prompts import PromptFileError, PromptRecord, load_prompts
-from omni_core.data_files import DataFileError
+from omni_core.data_files import DataFileError, resolve_data_path
 
 
 def _verl_row(text, i, **extra):
@@ -181,3 +181,21 @@ def test_load_state_dict_refuses_other_data():
     with pytest.raises(ValueError, match="train_batch_size=5 is larger than the 4 prompts"):
         PromptDataLoader(_records(4), 5, shuffle=True, seed=1)
     assert PromptDataLoader(_records(5), 2, shuffle=False, seed=None, drop_last=False).steps_per_epoch == 3
+
+
+def test_geneval_style_metadata_rows_keep_their_fields_for_the_rewards():
+    """flow_grpo's GenEval layout: `{"tag", "include", "exclude", "prompt"}` per line, no verl fields. The shipped
+    file loads through the JSONL reader with each row's metadata as `extra_info` (what a reward function gets)."""
+    recs = load_prompts("pkg://omni_core/assets/prompts/geneval_style.jsonl")
+    rows = [
+        json.loads(line)
+        for line in resolve_data_path("pkg://omni_core/assets/prompts/geneval_style.jsonl").read_text().splitlines()
+    ]
+    assert len(recs) == len(rows) == 12
+    assert {r.extra_info["tag"] for r in recs} == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    for rec, row in zip(recs, rows, strict=True):
+        assert rec.prompt == row["prompt"]
+        assert rec.extra_info == {k: v for k, v in row.items() if k != "prompt"}
+        assert rec.data_source == "jpeg_compressibility" and rec.ground_truth is None  # no verl fields: the defaults
+    counting = next(r for r in recs if r.prompt == "a photo of three apples")
+    assert counting.extra_info["include"] == [{"class": "apple", "count": 3}]

@@ -2,7 +2,9 @@
 
 A verl-omni parquet row is `{data_source, prompt: [{role, content}], ability, reward_model: {style,
 ground_truth}, extra_info}` (verl-omni `examples/flowgrpo_trainer/data_process/sd3_ocr.py`); JSONL rows use
-the same fields. The prompt column may also hold a plain string. Text files hold one prompt per line;
+the same fields. The prompt column may also hold a plain string. A row without `extra_info` (flow_grpo's
+GenEval-style metadata, `{"tag", "include", "exclude", "prompt"}`) keeps its other fields as the record's
+`extra_info`, which reward functions receive (`omni_core/assets/prompts/geneval_style.jsonl` is such a file). Text files hold one prompt per line;
 blank lines and `#` comments are skipped. Every error names the file (and the row or line) and the fix.
 """
 
@@ -187,12 +189,17 @@ def _row_to_record(
     negative = None if negative is None else _prompt_text(negative, path=path, where=where, key=negative_prompt_key)
     reward_model = row.get("reward_model")
     extra_info = row.get("extra_info")
+    if isinstance(extra_info, dict):  # verl's layout: its extra_info column
+        info = dict(extra_info)
+    else:  # flow_grpo / GenEval metadata rows ({"tag", "include", ..., "prompt"}): their other fields are the metadata
+        known = {prompt_key, negative_prompt_key, "data_source", "reward_model", "extra_info"}
+        info = {k: v for k, v in row.items() if k not in known and v is not None}
     return {
         "prompt": prompt,
         "negative_prompt": negative or None,
         "data_source": row.get("data_source") or default_source,
         "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
-        "extra_info": dict(extra_info) if isinstance(extra_info, dict) else {},
+        "extra_info": info,
     }
 
 
