@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from omni_core.algorithms.registry import get_adv_estimator
+from omni_core.algorithms.registry import compute_advantages
 from omni_core.config import OmniFlowConfig, load_config
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import load_prompts
@@ -37,7 +37,6 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
     actor = TrainingActor(config.model_dump(mode="json"), steps, os.cpu_count() or 1, text_encoders=True)
     policy = actor.policy  # rollout and training share one model in-process (sync mode, staleness 0)
     rewards_fn = RewardManager(config.reward)
-    estimator = get_adv_estimator(config.algorithm.adv_estimator)
     out = []
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -52,12 +51,7 @@ def run_plain(config: OmniFlowConfig, steps: int) -> list[dict[str, float]]:
             )
         t1 = time.perf_counter()
         scored = rewards_fn.score(traj.images, [r.data_source for r in batch for _ in range(rollout.n)])
-        adv = estimator(
-            scored.scores,
-            traj.prompt_index,
-            norm_adv_by_std=config.algorithm.norm_adv_by_std_in_grpo,
-            global_std=config.algorithm.global_std,
-        )
+        adv = compute_advantages(config.algorithm, scored.scores, traj.prompt_index)
         metrics = actor.train_on(traj, adv, step)
         metrics.pop("_train_s")
         t2 = time.perf_counter()

@@ -46,6 +46,26 @@ def test_global_std_uses_the_whole_batch_unbiased_std_plus_eps():
     torch.testing.assert_close(adv_group, torch.tensor([-g, g, -g, g]))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], 1.0 / (math.sqrt(20 / 3) + 1e-4)),  # the default: unbiased batch std, as verl-omni
+        (["algorithm.std_estimator=population"], 1.0 / (math.sqrt(20 / 4) + 1e-4)),  # np.std, as flow_grpo
+        (["algorithm.std_estimator=population", "algorithm.global_std=false"], 1.0 / (1.0 + 1e-4)),  # pairs: std 1
+        (["algorithm.norm_adv_by_std_in_grpo=false"], 1.0),
+    ],
+)
+def test_the_config_chooses_the_std_estimator(overrides, expected):
+    """`compute_advantages` (what the trainer calls) on the batch [0, 2, 4, 6] in groups [0, 0, 1, 1]: centered
+    [-1, 1, -1, 1], divided by the std the `algorithm` section names (squared deviations from 3: 20 over 4 samples)."""
+    from omni_core.algorithms.registry import compute_advantages
+    from omni_core.config import load_config
+
+    algorithm = load_config(overrides=overrides).algorithm
+    adv = compute_advantages(algorithm, torch.tensor([0.0, 2.0, 4.0, 6.0]), torch.tensor([0, 0, 1, 1]))
+    torch.testing.assert_close(adv, torch.tensor([-expected, expected, -expected, expected]))
+
+
 def test_norm_off_is_reward_minus_group_mean():
     # [1, 3] - 2 = [-1, 1];  [10, 14] - 12 = [-2, 2]
     adv = compute_flow_grpo_advantages(torch.tensor([1.0, 3.0, 10.0, 14.0]), torch.tensor([0, 0, 1, 1]), norm_adv_by_std=False)

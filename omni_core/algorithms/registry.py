@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import Tensor
+
 from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages, policy_loss
 from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
 
-__all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "get_adv_estimator", "get_policy_loss"]
+__all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "compute_advantages", "get_adv_estimator", "get_policy_loss"]
 
 # verl-omni registers one estimator, compute_flow_grpo_outcome_advantage, under both names.
 # DanceGRPO's own code normalises with the per-group std (+1e-8); that is this estimator with
@@ -33,6 +35,18 @@ def _lookup(table: dict[str, Callable[..., Any]], name: str, what: str) -> Calla
 def get_adv_estimator(name: str) -> Callable[..., Any]:
     """The advantage estimator registered as ``name`` (``algorithm.adv_estimator``)."""
     return _lookup(ADV_ESTIMATORS, name, "advantage estimator")
+
+
+def compute_advantages(algorithm: Any, rewards: Tensor, group_index: Tensor) -> Tensor:
+    """`algorithm.adv_estimator` on one batch's rewards ``[B]`` with their prompt groups ``[B]``, normalised as the
+    `algorithm` config section says (`norm_adv_by_std_in_grpo`, `global_std`, `std_estimator`)."""
+    return get_adv_estimator(algorithm.adv_estimator)(
+        rewards,
+        group_index,
+        norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
+        global_std=algorithm.global_std,
+        unbiased=algorithm.std_estimator == "unbiased",
+    )
 
 
 def get_policy_loss(name: str) -> Callable[..., Any]:

@@ -287,6 +287,7 @@ class AlgorithmConfig(ConfigModel):
     adv_estimator: str = _al("adv_estimator")
     norm_adv_by_std_in_grpo: bool = _al("norm_adv_by_std_in_grpo")
     global_std: bool = _al("global_std")
+    std_estimator: Literal["unbiased", "population"] = _al("std_estimator")
     rollout_correction: RolloutCorrectionConfig = _al.section("rollout_correction", RolloutCorrectionConfig)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from omni_core import checkpoint as ckpt
 from omni_core.agent_loop import AgentLoopManager, rollout_threads
-from omni_core.algorithms.registry import get_adv_estimator
+from omni_core.algorithms.registry import compute_advantages
 from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
@@ -402,13 +402,7 @@ class PolicyGradientDiffusionTrainerV1:
                 # Failed samples: advantage 0 (no policy gradient) and left out of the group statistics.
                 advantages = torch.zeros_like(rewards)
                 ok = ~failed
-                estimator = get_adv_estimator(self.config.algorithm.adv_estimator)
-                advantages[ok] = estimator(
-                    rewards[ok],
-                    group[ok],
-                    norm_adv_by_std=self.config.algorithm.norm_adv_by_std_in_grpo,
-                    global_std=self.config.algorithm.global_std,
-                )
+                advantages[ok] = compute_advantages(self.config.algorithm, rewards[ok], group[ok])
             assert self.ranks is not None
             actor_metrics = self.ranks.train_step(
                 self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S, staleness=self._staleness_of(batch)
