@@ -161,10 +161,8 @@ class AgentLoopManager:
         return lines
 
     def update_weights(self, weights: Any, version: int, timeout_s: float = 600) -> None:
-        """Push the trained weights (an ObjectRef or a state dict) to every rollout worker; nothing to do when the
-        workers are the training ranks (`colocated`: they sample with the weights they train)."""
-        if self.colocated:
-            return
+        """Push the trained weights (an ObjectRef or a state dict) to every rollout worker (never called for
+        `colocated` workers: they sample with the weights they train)."""
         self._weights = (weights, version)
         ray.get([w.set_weights.remote(weights, version) for w in self.workers], timeout=timeout_s)
 

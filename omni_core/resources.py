@@ -98,6 +98,12 @@ def uses_hybrid_engine(config: Any) -> bool:
     return bool(setting) if setting is not None else not hybrid_engine_obstacles(config)
 
 
+def separate_rollout_worker_count(config: Any) -> int:
+    """Rollout workers that are Ray actors of their own: none under the hybrid engine (they are the training
+    ranks' processes), else `rollout_worker_count`."""
+    return 0 if uses_hybrid_engine(config) else rollout_worker_count(config)
+
+
 def rollout_worker_count(config: Any) -> int:
     """sync: `rollout.agent.num_workers`, colocated; separate_async: one worker per device of the standalone
     pool, `rollout.nnodes x rollout.n_gpus_per_node` (on cpu: processes)."""
@@ -110,13 +116,12 @@ def rollout_worker_count(config: Any) -> int:
 def run_resource_budget(config: Any) -> ResourceBudget:
     """What a run of `config` (an `OmniFlowConfig`) reserves on its Ray cluster."""
     units = storage_unit_count(config)
-    workers = rollout_worker_count(config)
+    workers = separate_rollout_worker_count(config)
     trainer = config.trainer
     cpus = {
         "transfer_queue": TQ_CONTROLLER_CPUS + TQ_STORAGE_UNIT_CPUS * units,
         "training_actor": TRAINING_ACTOR_CPUS * trainer.n_gpus_per_node * trainer.nnodes,  # one per rank
-        # hybrid engine: the rollout workers are the training ranks' own processes
-        "rollout_workers": 0 if uses_hybrid_engine(config) else ROLLOUT_WORKER_CPUS * workers,
+        "rollout_workers": ROLLOUT_WORKER_CPUS * workers,
         "fit_epoch_task": FIT_EPOCH_TASK_CPUS,
     }
     ranks = trainer.n_gpus_per_node * trainer.nnodes
@@ -168,7 +173,7 @@ def resource_plan(config: Any) -> ResourcePlan:
     """
     trainer = config.trainer
     ranks = trainer.n_gpus_per_node * trainer.nnodes
-    workers = 0 if uses_hybrid_engine(config) else rollout_worker_count(config)
+    workers = separate_rollout_worker_count(config)
     device = trainer.device
     accelerator = ACCELERATOR_RESOURCES.get(device)
     standalone = standalone_rollout(config)

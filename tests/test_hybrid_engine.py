@@ -190,8 +190,7 @@ def test_a_training_rank_samples_what_a_rollout_worker_with_its_weights_samples(
         assert metrics["actor/grad_norm"] > 0
         trained = ray_cluster.get(rank.get_weights.remote())
         assert any(not torch.equal(base[k], trained[k]) for k in base), "the update changed no weight"
-        separate.update_weights(trained, 1)  # what the trainer pushes to a separate worker
-        hybrid.update_weights(trained, 1)  # nothing to push: the rank samples with its own weights
+        separate.update_weights(trained, 1)  # what the trainer pushes to a separate worker; the rank uses its own
 
         after = [_sample(m, p, params, 2) for m, p in zip((hybrid, separate), partitions, strict=True)]
         _assert_same_rows(*after, "after one update")

@@ -4,8 +4,8 @@ A verl-omni parquet row is `{data_source, prompt: [{role, content}], ability, re
 ground_truth}, extra_info}` (verl-omni `examples/flowgrpo_trainer/data_process/sd3_ocr.py`); JSONL rows use
 the same fields. The prompt column may also hold a plain string. A row without `extra_info` (flow_grpo's
 GenEval-style metadata, `{"tag", "include", "exclude", "prompt"}`) keeps its other fields as the record's
-`extra_info`, which reward functions receive (`omni_core/assets/prompts/geneval_style.jsonl` is such a file). Text files hold one prompt per line;
-blank lines and `#` comments are skipped. Every error names the file (and the row or line) and the fix.
+`extra_info`, which reward functions receive (`omni_core/assets/prompts/geneval_style.jsonl` is such a file).
+Text files hold one prompt per line; blank lines and `#` comments are skipped. Every error names the file (and the row or line) and the fix.
 """
 
 from __future__ import annotations

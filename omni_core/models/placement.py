@@ -1,8 +1,9 @@
 """Where each copy of the policy runs and in what precision, read from the config in one place.
 
-Two copies exist per run (one with the hybrid engine where `rollout_shares_trained_weights`): the trained one (the training actor: fp32 master weights, or a
-``model_dtype`` base under LoRA, with ``fsdp_config.dtype`` autocast) and the rollout one (each rollout
-worker: weights in ``rollout.dtype``, no autocast, no gradients). Both live on ``trainer.device``; inside
+Two copies exist per run (one under the hybrid engine where `rollout_shares_trained_weights`): the trained one
+(the training actor: fp32 master weights, or a ``model_dtype`` base under LoRA, with ``fsdp_config.dtype``
+autocast) and the rollout one (each rollout worker: weights in ``rollout.dtype``, no autocast, no gradients).
+Both live on ``trainer.device``; inside
 a Ray actor that is the accelerator Ray assigned (Ray sets ``CUDA_VISIBLE_DEVICES`` /
 ``ASCEND_RT_VISIBLE_DEVICES``, so ``cuda`` means the first visible device). The rollout side uses
 ``rollout.rollout_attn_backend`` translated to the diffusers dispatcher name; the trained side uses

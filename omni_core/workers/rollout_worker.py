@@ -77,8 +77,9 @@ class RolloutWorker:
         set_threads: bool = True,
     ):
         """A worker process of its own sets torch's thread count; inside a training rank (the hybrid engine:
-        `set_threads=False`, or `policy`, a view of the rank's trained modules) the rank sets it per call."""
-        if set_threads and policy is None:
+        `set_threads=False`) the rank sets it per call. `policy`: sample with it (a view of the rank's trained
+        modules) instead of loading a rollout copy."""
+        if set_threads:
             torch.set_num_threads(num_threads)
         self.config: OmniFlowConfig = config_from_dict(config)
         self.index = worker_index

@@ -108,7 +108,7 @@ class TrainingActor:
         torch.set_num_threads(num_threads)
         self.num_threads, self.rollout_threads, self.prompt_embeddings = num_threads, rollout_threads, prompt_embeddings
         self._rollout: RolloutWorker | None = None  # the colocated rollout worker, made at the first `generate`
-        self._rollout_synced: tuple[int, int] | None = None  # (id(policy), version) its own copy was refreshed at
+        self._rollout_version: int | None = None  # the weights version its own copy holds (None: to refresh)
         self.config: OmniFlowConfig = config_from_dict(config)
         self.total_training_steps = total_training_steps
         self.text_encoders = text_encoders
@@ -171,15 +171,15 @@ class TrainingActor:
                 view = self.policy.sampling_view(self.prompt_embeddings)
                 if self.config.actor_rollout_ref.rollout.use_torch_compile:
                     view.enable_torch_compile()
-                self._rollout = RolloutWorker(self.config.model_dump(mode="json"), self.rank, threads, policy=view)
+                config = self.config.model_dump(mode="json")
+                self._rollout = RolloutWorker(config, self.rank, threads, policy=view, set_threads=False)
             return self._rollout
         if self._rollout is None:
             config = self.config.model_dump(mode="json")
             self._rollout = RolloutWorker(config, self.rank, threads, self.prompt_embeddings, set_threads=False)
-        marker = (id(self.policy), self.version)
-        if self._rollout_synced != marker:
+        if self._rollout_version != self.version:
             self._rollout.set_weights(self.get_weights(), self.version)
-            self._rollout_synced = marker
+            self._rollout_version = self.version
         return self._rollout
 
     def _build_optimizer(self) -> None:
@@ -294,7 +294,7 @@ class TrainingActor:
         """
         if self.strategy == "fsdp2":
             raise RuntimeError("fsdp2 ranks restore together, in join_process_group(checkpoint=...)")
-        self._rollout_synced = None  # the colocated rollout copy (if any) follows the weights loaded here
+        self._rollout_version = None  # the colocated rollout copy (if any) follows the weights loaded here
         if checkpoint is None:
             self._build()  # a new transformer: the trainer forms the group again (join_process_group) before training
             self.ddp, self.group_generation = None, None
