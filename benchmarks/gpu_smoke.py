@@ -582,7 +582,7 @@ class Smoke:
         scaler = torch.amp.GradScaler(s.device.type) if fp16 else None
 
         def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
-            log_prob, mean, std = score_transitions(policy, traj.index_select(mb["sample"]), j, **sde)
+            log_prob, mean, std, _ = score_transitions(policy, traj.index_select(mb["sample"]), j, **sde)
             return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std)
 
         updates = []

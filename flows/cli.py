@@ -49,7 +49,19 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reward_server(ns: argparse.Namespace) -> int:
+    from omniflow.flows.reward_server import run_reward_server
+
+    return run_reward_server(ns.args, host=ns.host, port=ns.port)
+
+
 def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    if ns.arch == "clip":  # a reward model: CLIP + processor + aesthetic head
+        from omni_core.rewards.tiny_clip import AESTHETIC_HEAD_FILE, build_tiny_clip
+
+        path = build_tiny_clip(ns.dir, seed=ns.seed)
+        print(f"tiny CLIP reward model written to {path} (aesthetic head: {path / AESTHETIC_HEAD_FILE})")
+        return 0
     from omni_core.models.tiny import build_tiny_pipeline
 
     path = build_tiny_pipeline(ns.dir, arch=ns.arch, seed=ns.seed)
@@ -106,9 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("args", nargs=argparse.REMAINDER, help="[NAME ...] [--file prefect.yaml] [--limit N]")
     serve.set_defaults(func=_cmd_serve)
 
+    reward_server = sub.add_parser(
+        "reward-server",
+        help="serve the reward terms of a reward config over HTTP (POST /score, GET /health): "
+        "omniflow reward-server [--host H] [--port N] [FILE ...] [reward.key=value ...]",
+    )
+    reward_server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    reward_server.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    reward_server.add_argument(
+        "args", nargs="*", help="YAML files (their reward section), then reward.* / trainer.device overrides"
+    )
+    reward_server.set_defaults(func=_cmd_reward_server)
+
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (save_pretrained)")
     tiny.add_argument("dir", help="output folder")
-    tiny.add_argument("--arch", choices=["sd3", "flux"], default="sd3")
+    tiny.add_argument("--arch", choices=["sd3", "flux", "qwen-image", "clip"], default="sd3")  # models.tiny.ARCHITECTURES + clip
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 

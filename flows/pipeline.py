@@ -104,7 +104,7 @@ def evaluate(
 def diffusion_rl_pipeline(
     base_model: str = "models/tiny-sd3",
     build_tiny_if_missing: bool = True,
-    arch: Literal["sd3", "flux"] = "sd3",
+    arch: Literal["sd3", "flux", "qwen-image"] = "sd3",
     config: OmniFlowConfig | None = None,
     overrides: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)
     config_files: list[str] = [],  # noqa: B006
@@ -119,7 +119,8 @@ def diffusion_rl_pipeline(
         base_model: Diffusers pipeline folder to fine-tune (it overrides `actor_rollout_ref.model.path`).
         build_tiny_if_missing: Build the tiny random-weight test model in `base_model` if that folder
             holds no pipeline; otherwise a missing model fails the run before any training.
-        arch: Architecture of the base model (`sd3`: StableDiffusion3Pipeline, `flux`: FluxPipeline); the
+        arch: Architecture of the base model (`sd3`: StableDiffusion3Pipeline, `flux`: FluxPipeline, `qwen-image`:
+            QwenImagePipeline); the
             tiny model is built with it, and an existing folder must hold it.
         config: The training config (verl-omni key paths), as for `main_diffusion_v1`.
         overrides: verl-style `key.path=value` strings applied on top of the config.
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m omniflow.flows.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-model", default="models/tiny-sd3", help="diffusers folder (the tiny model is built if absent)")
-    parser.add_argument("--arch", choices=["sd3", "flux"], default="sd3")
+    parser.add_argument("--arch", choices=["sd3", "flux", "qwen-image"], default="sd3")
     parser.add_argument("--no-build", action="store_true", help="fail instead of building the tiny model")
     parser.add_argument("--new-experiment", action="store_true", help="new_experiment_per_run=true")
     parser.add_argument("--eval-samples", type=int, default=2, help="samples per validation prompt")

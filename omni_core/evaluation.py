@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from omni_core.checkpoint.files import read_tensors
-from omni_core.checkpoint.layout import ACTOR_DIR
+from omni_core.checkpoint.layout import ACTOR_DIR, EMA_NAME
 from omni_core.config import OmniFlowConfig
 from omni_core.config.schema import DataConfig
 from omni_core.data.prompts import PromptRecord, load_prompts
@@ -69,11 +69,15 @@ def _as_records(prompts: Sequence[str | PromptRecord]) -> list[PromptRecord]:
 
 def load_policy(config: OmniFlowConfig, checkpoint: str | Path | None) -> FlowPolicy:
     """The rollout copy of ``actor_rollout_ref.model`` (``trainer.device`` resolved, ``rollout.dtype``), with
-    ``<checkpoint>/actor/model.safetensors`` loaded if given. Text encoders stay: any prompt may be evaluated."""
+    the checkpoint's weights loaded if given: ``<checkpoint>/actor/ema.safetensors`` when the run kept an EMA
+    (``actor.ema``: what its validation sampled with and its export ships), else ``actor/model.safetensors``.
+    Text encoders stay: any prompt may be evaluated."""
     policy = FlowPolicy.from_model_config(config.actor_rollout_ref.model, **rollout_policy_kwargs(config, None))
     if checkpoint is not None:
-        # The file TrainingActor.save writes and TrainingActor.reset reads (full state, or the LoRA adapter).
-        policy.load_trainable_state(read_tensors(Path(checkpoint) / ACTOR_DIR, MODEL_NAME))
+        # The files TrainingActor.save writes (full state, or the LoRA adapter; the EMA has the same keys).
+        actor = Path(checkpoint) / ACTOR_DIR
+        name = EMA_NAME if (actor / f"{EMA_NAME}.safetensors").is_file() else MODEL_NAME
+        policy.load_trainable_state(read_tensors(actor, name))
     policy.transformer.eval()
     return policy
 
@@ -106,11 +110,12 @@ def evaluate_policy(
         **params.generate_kwargs(global_step=0),
     )
     per_sample = [r for r in records for _ in range(samples_per_prompt)]
-    scored = RewardManager(config.reward).score(
+    scored = RewardManager(config.reward, device=config.trainer.device).score(
         traj.images,
         [r.data_source for r in per_sample],
         [r.ground_truth for r in per_sample],
         [r.extra_info for r in per_sample],
+        prompts=[r.prompt for r in per_sample],
     )
     ok = scored.scores[~scored.failed]
     mean = float(ok.mean()) if ok.numel() else float("nan")

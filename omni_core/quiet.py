@@ -8,8 +8,15 @@ A run loads the pipeline in every actor, so each notice below would print once p
 - diffusers' "Attention backends are an experimental feature" on every `set_attention_backend`;
 - Ray's notice that it turned token authentication on for a local cluster (its default since 2.60;
   the token stays on).
+- mlflow's notices that it creates / updates the tables of its SQLite store (the `mlflow` tracker's local
+  store, at the first epoch of a run).
 
 Only these exact messages are dropped: every other warning of these libraries still shows.
+
+wandb is the exception: it prints to stderr itself, not through `logging`, three banner lines per epoch (offline
+mode, where the run is saved, `wandb leet`). Its run starts with `wandb.Settings(silent=True)`
+(`omni_core/trackers/wandb_run.py`), which sends all its terminal output, warnings included, to the run's own
+debug log; the tracker says where the run is in one console line instead, and wandb's errors still raise.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ _DROPPED: dict[str, tuple[str, ...]] = {
     "transformers.utils.import_utils": ("requires torchvision",),
     "diffusers.models.modeling_utils": ("Attention backends are an experimental feature",),
     "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray cluster",),
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
 
 

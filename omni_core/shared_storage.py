@@ -26,6 +26,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
+from omni_core.rewards.entries import entry_kind
 
 PROBE_PREFIX = ".omniflow-storage-probe-"
 PROBE_TASK_NAME = "omniflow-shared-storage-probe"
@@ -120,12 +121,21 @@ def remove_probe(written: Written) -> None:
 # ------------------------------------------------------------------------------------------- the check
 def files_every_node_reads(config: OmniFlowConfig) -> list[tuple[str, str]]:
     """(key, file) pairs that the run's workers open on whichever node they run: the model's
-    model_index.json (the folder is loaded there) and the reward files."""
+    model_index.json (the folder is loaded there), the reward files, and the model rewards' folders and heads
+    (a server term or verl-omni's HTTP client entry opens no file)."""
     files = [("actor_rollout_ref.model.path", str(Path(config.actor_rollout_ref.model.path) / "model_index.json"))]
     custom = config.reward.custom_reward_function.path
     if custom:
         files.append(("reward.custom_reward_function.path", custom))
-    files += [(f"reward.reward_functions[{i}].path", s.path) for i, s in enumerate(config.reward.reward_functions) if s.path]
+    for i, spec in enumerate(config.reward.reward_functions):
+        key = f"reward.reward_functions[{i}]"
+        kind = entry_kind(spec.model_dump())
+        if kind == "file":
+            files.append((f"{key}.path", spec.path))
+        elif kind == "model":
+            files.append((f"{key}.model_path", str(Path(spec.model_path) / "config.json")))
+            if spec.head_path:
+                files.append((f"{key}.head_path", spec.head_path))
     return files
 
 

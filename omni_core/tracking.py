@@ -1,31 +1,37 @@
 """Metrics: verl-omni's per-step data metrics and the tracking backends (`trainer.logger`).
 
 Backends: `console` (one line per step with a progress bar, to stdout or to a line sink such as the
-Prefect run's log), `file` (JSONL, one record per step), `tensorboard` (torch's SummaryWriter) and `wandb` (one
-wandb run per training run, its id stable across the run's epochs, retried epochs and resumes; offline, under
-`<log dir>/wandb` for `wandb sync`, when no API key is configured). Names follow verl-omni (`critic/rewards/mean`,
+Prefect run's log), `file` (JSONL, one record per step), `tensorboard` (torch's SummaryWriter), `wandb` and
+`mlflow` (`omni_core/trackers/`: one tracker run per checkpoint folder, continued by the run's epochs, retried
+epochs and resumes; wandb offline under `<log dir>/wandb` without an API key, mlflow in a local store in the
+checkpoint folder unless MLFLOW_TRACKING_URI says otherwise). Names follow verl-omni (`critic/rewards/mean`,
 `actor/pg_loss`, `timing_s/gen`, `perf/throughput`, ...). Validation images (`trainer.log_val_generations`)
 go to the same backends through `Tracking.log_images`: PNG files plus a JSONL index, TensorBoard images
-with their captions, and a console line that says where they went.
+with their captions, wandb images, mlflow images, and a console line that says where they went. At the end of
+training `Tracking.log_model` hands the final model to mlflow as an artifact.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import netrc
-import os
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
+
+from omni_core.checkpoint.layout import ACTOR_DIR
+from omni_core.trackers.run import TrackerRun, tracker_run_id
+from omni_core.trackers.wandb_run import wandb_mode  # noqa: F401  (re-exported: the wandb mode rule)
+
+# Earlier names of the tracker run (it served wandb alone), kept for callers that still use them.
+WandbRun = TrackerRun
+wandb_run_id = tracker_run_id
+# The final model inside a checkpoint: the training actor's `save_pretrained` folder (what `export_checkpoint` exports).
+MODEL_DIR = f"{ACTOR_DIR}/hf"
 
 
 def data_metrics(rewards: torch.Tensor, advantages: torch.Tensor, group_index: torch.Tensor) -> dict[str, float]:
@@ -75,45 +81,8 @@ class _Span:
         self.timer.timing[self.name] = self.timer.timing.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
-@dataclass(frozen=True)
-class WandbRun:
-    """Where the `wandb` backend logs: `project` (`trainer.project_name`), the run's display `name`
-    (`trainer.experiment_name`), its `run_id` (`wandb_run_id`) and the config shown in wandb's config panel."""
-
-    project: str
-    name: str
-    run_id: str
-    config: dict[str, Any] = field(default_factory=dict)
-
-
-def wandb_run_id(project: str, experiment: str, checkpoint_dir: str | Path) -> str:
-    """The wandb run id of a training run: the experiment's name plus a hash of (project, experiment, checkpoint
-    folder). Every epoch, retried epoch and resumed run of one checkpoint folder logs to the same wandb run; a run
-    in another folder starts a new one."""
-    key = f"{project}\n{experiment}\n{Path(checkpoint_dir).resolve()}"
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", experiment).strip("-")[:40] or "run"
-    return f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-def wandb_mode() -> str | None:
-    """`WANDB_MODE` when it is set (None: wandb reads it); else `online` with an API key (`WANDB_API_KEY`, or a
-    ~/.netrc entry for the wandb host that `wandb login` writes) and `offline` without one: the run is kept under
-    `<log dir>/wandb/offline-run-*` for `wandb sync`, and training never waits on a login prompt."""
-    if os.environ.get("WANDB_MODE"):
-        return None
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
-    try:
-        if host and netrc.netrc().authenticators(host):
-            return "online"
-    except (OSError, netrc.NetrcParseError):
-        pass
-    return "offline"
-
-
 class Tracking:
-    """Logs step metrics to the backends named in `trainer.logger`."""
+    """Logs step metrics, validation images and the final model to the backends named in `trainer.logger`."""
 
     def __init__(
         self,
@@ -123,17 +92,18 @@ class Tracking:
         stream: Any = None,
         console_sink: Callable[[str], None] | None = None,
         resume_step: int | None = None,
-        wandb_run: WandbRun | None = None,
+        run: TrackerRun | None = None,
     ):
-        """`console` lines go to `console_sink` when given, else to `stream` (default stdout). `wandb_run`: where
-        the `wandb` backend logs (required with it).
+        """`console` lines go to `console_sink` when given, else to `stream` (default stdout). `run`: the tracker
+        run the `wandb` and `mlflow` backends log to (required with either).
 
         `resume_step`: the step a (retried or resumed) epoch restarts from. Records of later steps, written by
         the try that failed, are dropped (metrics.jsonl and val_generations.jsonl rewritten without them;
         TensorBoard told with `purge_step`), so that every step ends with one record. At 0 every record goes
-        (step 0 holds validation before training, which the new try logs again). wandb keeps a run's history
-        append-only: it keeps the failed try's record of a step it already has and drops the new one (on a CPU
-        run the two are bit-identical).
+        (step 0 holds validation before training, which the new try logs again). wandb and mlflow keep a run's
+        history append-only: they keep the failed try's record of a step they already have and drop the new one
+        (on a CPU run the two are bit-identical). When a run starts (`resume_step` None or 0) the console says in
+        one line where the wandb / mlflow run is.
         """
         self.backends = list(backends)
         self.log_dir = Path(log_dir)
@@ -151,11 +121,34 @@ class Tracking:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=purge_from)
-        self._wandb = None
+        self._trackers: list[Any] = []  # WandbTracker / MlflowTracker: log, log_images, close (+ mlflow's log_model)
+        self._mlflow = None
+        self._mlflow_run_id: str | None = None
+        try:
+            self._start_trackers(run)
+        except BaseException:  # e.g. an mlflow server that does not answer: what did start is closed
+            self.close(failed=True)
+            raise
+        if "console" in self.backends:
+            for note in self._mlflow.notes if self._mlflow is not None else []:
+                self._say(note)
+            if self._trackers and not resume_step:
+                self._say("tracking: " + "; ".join(t.where for t in self._trackers))
+
+    def _start_trackers(self, run: TrackerRun | None) -> None:
+        needs_run = [b for b in ("wandb", "mlflow") if b in self.backends]
+        if needs_run and run is None:
+            raise ValueError(f"the {' and '.join(needs_run)} backend needs a TrackerRun (project, name, run id, config)")
         if "wandb" in self.backends:
-            if wandb_run is None:
-                raise ValueError("the wandb backend needs a WandbRun (project, name, run id)")
-            self._wandb = _start_wandb(wandb_run, self.log_dir)
+            from omni_core.trackers.wandb_run import WandbTracker
+
+            self._trackers.append(WandbTracker(run, self.log_dir))
+        if "mlflow" in self.backends:
+            from omni_core.trackers.mlflow_run import MlflowTracker
+
+            self._mlflow = MlflowTracker(run)
+            self._mlflow_run_id = self._mlflow.run_id
+            self._trackers.append(self._mlflow)
 
     @property
     def jsonl_path(self) -> Path:
@@ -171,14 +164,15 @@ class Tracking:
         """The `file` backend's index of validation images: one row per `log_images` call."""
         return self.log_dir / "val_generations.jsonl"
 
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The mlflow store's id of the run (None without the mlflow backend)."""
+        return self._mlflow_run_id
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         if "console" in self.backends:
-            if self.console_sink is not None:
-                self.console_sink(self._console_line(clean, step))
-            else:
-                self.stream.write(self._console_line(clean, step) + "\n")
-                self.stream.flush()
+            self._say(self._console_line(clean, step))
         if "file" in self.backends:
             with self.jsonl_path.open("a") as f:
                 f.write(json.dumps({"step": step, **clean}) + "\n")
@@ -186,8 +180,8 @@ class Tracking:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(clean, step=step)
+        for tracker in self._trackers:
+            tracker.log(clean, step)
 
     def log_images(self, step: int, images: torch.Tensor, captions: Sequence[str]) -> None:
         """Validation images (uint8 `[N, 3, H, W]`, one caption each) to every backend of `trainer.logger`.
@@ -195,7 +189,9 @@ class Tracking:
         file: `val_generations/step_<step>_<i>.png` next to metrics.jsonl and a row
         `{"step", "images": [{"path", "caption"}]}` (paths relative to the log folder) in
         val_generations.jsonl; tensorboard: image `val/generations/<i>` with its caption as the text
-        `val/generations/<i>/caption`; console: one line saying how many went where.
+        `val/generations/<i>/caption`; wandb: `val/generations`, a list of images with captions; mlflow: images
+        `val/generations/<i>` and `val_generations/step_<step>.json` with the captions; console: one line saying
+        how many went where.
         """
         if images.ndim != 4 or images.shape[1] != 3 or images.dtype != torch.uint8:
             raise ValueError(f"log_images takes uint8 images [N, 3, H, W], got {images.dtype} {tuple(images.shape)}")
@@ -223,21 +219,28 @@ class Tracking:
                 self._tb.add_text(f"val/generations/{i}/caption", caption, step)
             self._tb.flush()
             where.append(f"tensorboard {self.log_dir / 'tensorboard'} (val/generations/*)")
-        if self._wandb is not None:
-            import wandb
-
-            pictures = [wandb.Image(image.permute(1, 2, 0).numpy(), caption=c) for image, c in zip(images, captions, strict=True)]
-            self._wandb.log({"val/generations": pictures}, step=step)
-            where.append(f"wandb run {self._wandb.id} (val/generations)")
+        where += [tracker.log_images(step, images, captions) for tracker in self._trackers]
         if "console" in self.backends:
-            line = f"step {step}: {images.shape[0]} validation image(s) -> " + (
-                "; ".join(where) if where else "not stored (add file, tensorboard or wandb to trainer.logger)"
+            self._say(
+                f"step {step}: {images.shape[0]} validation image(s) -> "
+                + ("; ".join(where) if where else "not stored (add file, tensorboard, wandb or mlflow to trainer.logger)")
             )
-            if self.console_sink is not None:
-                self.console_sink(line)
-            else:
-                self.stream.write(line + "\n")
-                self.stream.flush()
+
+    def log_model(self, checkpoint: str | Path, step: int) -> None:
+        """The final model of training, the checkpoint's `actor/hf` folder (the transformer's `save_pretrained`
+        folder, or the LoRA adapter), to mlflow as the artifact folder `model/`; the other backends keep no model."""
+        if self._mlflow is None:
+            return
+        where = self._mlflow.log_model(Path(checkpoint) / MODEL_DIR, step)
+        if "console" in self.backends:
+            self._say(f"final model (step {step}) -> {where}")
+
+    def _say(self, line: str) -> None:
+        if self.console_sink is not None:
+            self.console_sink(line)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
 
     def _console_line(self, m: Mapping[str, float], step: int) -> str:
         width = 20
@@ -249,32 +252,15 @@ class Tracking:
         val = " ".join(f"{k}={v:.4g}" for k, v in m.items() if k.startswith("val-core/"))
         return f"[{bar}] step {step}/{self.total_steps} {shown} {val}".rstrip()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every backend; `failed`: the epoch ended with an error (wandb exit code 1, mlflow
+        status FAILED). Closing twice is harmless."""
         if self._tb is not None:
             self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
-
-
-def _start_wandb(run: WandbRun, log_dir: Path) -> Any:
-    """`wandb.init` of the training run's wandb run, resumed when it exists (each epoch is a Prefect task that
-    opens and finishes it). wandb leaves the process's console alone and samples no system metrics (its
-    sampler would take CPU from the step on a small machine)."""
-    import wandb
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    settings = wandb.Settings(console="off", x_disable_stats=True, quiet=True)
-    return wandb.init(
-        project=run.project,
-        name=run.name,
-        id=run.run_id,
-        resume="allow",
-        dir=str(log_dir),
-        mode=wandb_mode(),
-        config=run.config,
-        settings=settings,
-    )
+            self._tb = None
+        for tracker in self._trackers:
+            tracker.close(failed)
+        self._trackers, self._mlflow = [], None
 
 
 def _drop_records_from(path: Path, step: int) -> None:

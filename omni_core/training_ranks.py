@@ -154,6 +154,10 @@ class TrainingRanks:
         ray.get(refs[1:], timeout=timeout_s)  # the other ranks only take part in the gather
         return refs[0]
 
+    def ema_weights_ref(self) -> Any:
+        """An ObjectRef of the moving average of the weights (`actor.ema`; never sharded: fsdp2 is refused with it)."""
+        return self.leader.get_ema_weights.remote()
+
     def train_step(
         self, partition: str, keys: list[str], advantages: Any, step: int, timeout_s: float, staleness: torch.Tensor | None = None
     ) -> dict[str, float]:

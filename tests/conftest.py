@@ -31,6 +31,14 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
+# The wandb and mlflow trackers never reach a server from the tests, in Ray workers too (which keep the environment
+# the session's cluster started with, so a test's monkeypatch cannot reach them): wandb offline, its own files in
+# this session's folder; mlflow in its default store, the run's checkpoint folder.
+os.environ["WANDB_MODE"] = "offline"
+for _name, _sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+    os.environ[_name] = os.path.join(PREFECT_TEST_HOME, "wandb", _sub)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # mlflow reads DO_NOT_TRACK only as "true", not "1"
 
 
 # ----------------------------------------------------------------------------- Ray + TransferQueue
@@ -88,6 +96,13 @@ def tiny_flux_dir(tmp_path_factory):
     from omni_core.models.tiny import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux"), arch="flux", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_dir(tmp_path_factory):
+    from omni_core.models.tiny import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("tiny_qwen_image"), arch="qwen-image", seed=0)
 
 
 @pytest.fixture

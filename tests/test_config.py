@@ -73,8 +73,10 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     ),
     "trainer.logger": (
         ("console",),
-        "Tracking backends: console, file (JSONL), tensorboard, wandb (offline under the run's log folder when no API "
-        "key is configured; one wandb run per checkpoint folder). verl-omni: [console, wandb]; OmniFlow: [console] (no network).",
+        "Tracking backends: console, file (JSONL + PNGs), tensorboard, wandb (offline under the run's log folder when no "
+        "API key is configured), mlflow (MLFLOW_TRACKING_URI, else a local store <checkpoint folder>/mlruns; the final "
+        "model as artifact model/). wandb and mlflow keep one run per checkpoint folder. verl-omni: [console, wandb]; "
+        "OmniFlow: [console] (no network).",
     ),
     "trainer.total_epochs": (
         6,

@@ -206,7 +206,9 @@ def test_verl_mapping_form_and_plain_names_are_accepted():
 
 
 def test_config_errors_list_the_choices():
-    with pytest.raises(ValueError, match=r"unknown reward 'pickscore'.*jpeg_incompressibility"):
+    with pytest.raises(ValueError, match=r"unknown reward 'hpsv3'.*jpeg_incompressibility.*pickscore"):
+        RewardManager(reward_cfg(reward_functions=["hpsv3"]))
+    with pytest.raises(ValueError, match=r"reward_functions\[0\]\.model_path.*pickscore needs model_path"):
         RewardManager(reward_cfg(reward_functions=["pickscore"]))
     with pytest.raises(ValueError, match=r"aggregation='mean' is not supported"):
         RewardManager(reward_cfg(aggregation="mean"))

@@ -83,7 +83,7 @@ def test_rescoring_with_unchanged_weights_gives_ratio_exactly_one(policy_name, g
     # Through the TransferQueue row schema and back, as the training actor receives it.
     traj = Trajectory.from_columns(traj.to_columns())
     for j in range(traj.window_size):
-        log_prob, _, _ = score_transitions(policy, traj, j, guidance_scale=guidance, noise_level=0.7, sde_type=sde_type)
+        log_prob = score_transitions(policy, traj, j, guidance_scale=guidance, noise_level=0.7, sde_type=sde_type).log_prob
         ratio = torch.exp(log_prob - traj.log_probs[:, j])
         assert torch.equal(ratio, torch.ones_like(ratio)), f"step {j}: ratio {ratio.tolist()}"
         assert log_prob.requires_grad  # the re-scored log-prob is differentiable through the policy

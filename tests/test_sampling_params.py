@@ -42,6 +42,7 @@ def test_training_params_are_the_rollout_keys(rollout):
         "width": 32,
         "num_inference_steps": 8,
         "guidance_scale": 4.5,
+        "true_cfg_scale": 1.0,
         "noise_level": 0.9,
         "sde_type": "cps",
         "sde_window_size": 3,
@@ -66,6 +67,8 @@ def test_negative_prompts_only_with_cfg(rollout):
     params = SamplingParams.for_training(rollout)
     assert params.negative_prompts(["blurry", None]) == ["blurry", ""]
     assert params.replace(guidance_scale=1.0).negative_prompts(["blurry", None]) is None
+    # FLUX / Qwen-Image: true_cfg_scale is CFG (which scale is CFG is the architecture's, in the sampler)
+    assert params.replace(guidance_scale=1.0, true_cfg_scale=2.0).negative_prompts(["blurry", None]) == ["blurry", ""]
 
 
 def test_a_request_has_deterministic_uids_and_splits_contiguously(rollout):

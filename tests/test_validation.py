@@ -33,8 +33,8 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["actor_rollout_ref.actor.fsdp_config.model_dtype=int8"], "actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16"),
     (["ray_kwargs.ray_init.namespace=x"], "ray_kwargs.ray_init.namespace", "accepts address, num_cpus, num_gpus"),
     (
-        ["reward.reward_functions={ocr: {name: jpeg_compressibility, server_url: 'http://x'}}"],
-        "reward.reward_functions.ocr.server_url",
+        ["reward.reward_functions={ocr: {name: jpeg_compressibility, lang: 'en'}}"],
+        "reward.reward_functions.ocr.lang",
         "keyword arguments",
     ),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM"),
@@ -46,7 +46,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "without a gradient scaler",
     ),
     (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode", "not implemented"),
-    (["trainer.logger=[console,mlflow]"], "trainer.logger", "not available in OmniFlow"),
+    (["trainer.logger=[console,swanlab]"], "trainer.logger", "not available in OmniFlow"),
     # wrong types and single-field limits
     (["trainer.total_epochs=abc"], "trainer.total_epochs", "integer"),
     (["data.train_batch_size=2.5"], "data.train_batch_size", "integer"),
@@ -221,7 +221,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (
         ["actor_rollout_ref.rollout.pipeline.true_cfg_scale=4.0"],
         "actor_rollout_ref.rollout.pipeline.true_cfg_scale",
-        "not implemented",
+        "StableDiffusion3Pipeline has no true CFG",
     ),
     (
         [

@@ -186,7 +186,7 @@ def test_reward_rules_name_the_entry_and_the_fix(tiny_sd3_dir, tmp_path):
         return {p.key: str(p) for p in config_problems(load_config(overrides=[*base, *overrides]), CPU_ONLY)}
 
     assert problems(f"reward.reward_functions=[{{path: {good}, weight: 2}}, jpeg_compressibility]") == {}
-    found = problems(f"reward.reward_functions=[{{path: {tmp_path / 'missing.py'}}}, pickscore]")
+    found = problems(f"reward.reward_functions=[{{path: {tmp_path / 'missing.py'}}}, hpsv3]")
     assert set(found) == {"reward.reward_functions[0].path", "reward.reward_functions[1].name"}
     assert "jpeg_compressibility, jpeg_incompressibility" in found["reward.reward_functions[1].name"]
     # Both forms at once: the weighted sum would win and the custom function would be ignored.

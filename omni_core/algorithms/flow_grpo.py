@@ -1,7 +1,8 @@
 """The Flow-GRPO objective as pure, vectorised functions (arXiv 2505.05470), in paper order.
 
 This module owns the math only: group-relative advantages (paper Eq. 4), the clipped per-step policy
-loss (Eq. 5-6) and the KL penalty between reverse-SDE transitions (Eq. 6, FG's form). Tensors and
+loss (Eq. 5-6) and the KL penalty between reverse-SDE transitions (Eq. 6, FG's form) or, as flow_grpo
+issue 198 recommends against reward hacking, between the predicted velocities. Tensors and
 scalars in, tensors and a metrics dict out; no config objects, no loops over samples. Everything is
 computed in fp32 whatever the input dtype (bf16 log-prob differences break the on-policy ratio == 1).
 
@@ -24,6 +25,7 @@ __all__ = [
     "group_index_from_uids",
     "kl_loss",
     "policy_loss",
+    "velocity_kl_loss",
 ]
 
 
@@ -206,3 +208,23 @@ def kl_loss(mean_theta: Tensor, mean_ref: Tensor, std_dev_t: Tensor | float) -> 
         std = std.reshape(-1, *([1] * (mu.dim() - 1)))  # per-sample std -> [B, 1, 1, ...]
     per_elem = (mu - mu_ref).square() / (2.0 * std.square())
     return per_elem.reshape(mu.shape[0], -1).mean(dim=1).mean()
+
+
+def velocity_kl_loss(velocity: Tensor, velocity_ref: Tensor) -> Tensor:
+    """The KL penalty on the predicted velocities: ``mean_{C,H,W}((v_theta - v_ref)^2)``, then the batch mean.
+
+    The transition means differ by the velocity gap times a per-timestep factor,
+    ``mu_theta - mu_ref = (v_theta - v_ref) * (1 + std_dev_t^2 (1 - sigma) / (2 sigma)) * dt`` for the flow SDE,
+    so :func:`kl_loss` weighs timesteps by ``dt^2 / std_dev_t^2`` and that factor; this form weighs every
+    timestep alike (flow_grpo issue 198's recommendation when the transition KL lets the policy drift).
+
+    Args:
+        velocity: ``[B, *latent]`` predicted velocity of the current policy (grad flows).
+        velocity_ref: ``[B, *latent]`` the reference policy's velocity (no grad).
+
+    Returns:
+        Scalar fp32 tensor.
+    """
+    v = velocity.to(torch.float32)
+    v_ref = velocity_ref.detach().to(torch.float32)
+    return (v - v_ref).square().reshape(v.shape[0], -1).mean(dim=1).mean()

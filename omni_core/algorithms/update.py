@@ -14,6 +14,7 @@ Schedule (for each call, i.e. once per training step):
             for micro_batch in share:             # micro_batch_size samples
                 for j in window steps:            # W
                     loss_j = (policy loss + kl_coef * KL) / (n_micro * W)   # n_micro: micro-batches of the share
+                                                  # KL: of the transition means or the velocities (kl_type)
                     loss_j.backward()             # at once: activations of one step only
             (ranks average their gradients)       # DDP, on the share's last backward
             clip_grad_norm_; optimizer.step(); zero_grad
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omni_core.algorithms.flow_grpo import kl_loss
+from omni_core.algorithms.flow_grpo import kl_loss, velocity_kl_loss
 from omni_core.algorithms.registry import get_policy_loss
 
 __all__ = [
@@ -67,13 +68,17 @@ class StepOutput:
         prev_sample_mean: ``[b, *latent]`` mean of that Gaussian transition (with grad).
         std_dev_t: the transition's std factor (scalar, ``[b]`` or broadcastable), for the KL.
         ref_prev_sample_mean: ``[b, *latent]`` transition mean under the reference policy (no
-            grad), or None when the KL term is off.
+            grad), or None when the KL term is off or compares velocities.
+        velocity: ``[b, *latent]`` the current policy's predicted velocity (with grad), for ``kl_type="velocity"``.
+        ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
     """
 
     log_prob: Tensor
     prev_sample_mean: Tensor
     std_dev_t: Tensor | float
     ref_prev_sample_mean: Tensor | None = None
+    velocity: Tensor | None = None
+    ref_velocity: Tensor | None = None
 
 
 @dataclass
@@ -81,7 +86,8 @@ class PPOUpdateConfig:
     """Knobs of one update call, in samples (not prompts). Filled by the caller from the config.
 
     ``mini_batch_size`` = ``actor.ppo_mini_batch_size x rollout.n``; ``micro_batch_size`` =
-    ``actor.ppo_micro_batch_size_per_gpu``; ``kl_coef`` = 0 turns the KL term off; ``seed`` seeds
+    ``actor.ppo_micro_batch_size_per_gpu``; ``kl_coef`` = 0 turns the KL term off; ``kl_type``
+    (``actor.kl_loss_type``) is what it compares: ``transition_mean`` or ``velocity``; ``seed`` seeds
     the mini-batch shuffle (``actor.data_loader_seed``).
     """
 
@@ -95,6 +101,7 @@ class PPOUpdateConfig:
     shuffle: bool
     seed: int
     loss_mode: str = "flow_grpo"
+    kl_type: str = "transition_mean"
     dp_rank: int = 0  # this process's data-parallel rank, of dp_size (trainer.n_gpus_per_node x trainer.nnodes)
     dp_size: int = 1
 
@@ -116,6 +123,22 @@ def nonfinite_metrics(metrics: Mapping[str, float], *, scaled: bool) -> list[str
     losses = [k for k in ("actor/pg_loss", "actor/kl_loss") if k in metrics and not math.isfinite(metrics[k])]
     grad = [] if math.isfinite(metrics["actor/grad_norm"]) else ["actor/grad_norm"]
     return [] if scaled and not losses else losses + grad
+
+
+def _kl_term(out: StepOutput, cfg: PPOUpdateConfig) -> Tensor:
+    """The KL penalty of one window step: of the transition means or of the velocities (``cfg.kl_type``)."""
+    if cfg.kl_type == "velocity":
+        if out.velocity is None or out.ref_velocity is None:
+            raise ValueError(f"kl_type='velocity' with kl_coef={cfg.kl_coef} > 0 but step_fn returned no velocity / ref_velocity")
+        return velocity_kl_loss(out.velocity, out.ref_velocity)
+    if cfg.kl_type != "transition_mean":
+        raise ValueError(f"unknown kl_type {cfg.kl_type!r}; choose transition_mean or velocity")
+    if out.ref_prev_sample_mean is None:
+        raise ValueError(
+            f"kl_coef={cfg.kl_coef} > 0 but step_fn returned no ref_prev_sample_mean; compute the reference transition "
+            "mean or set kl_coef=0"
+        )
+    return kl_loss(out.prev_sample_mean, out.ref_prev_sample_mean, out.std_dev_t)
 
 
 def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
@@ -277,13 +300,7 @@ def ppo_update(
                     )
                     kl = loss.new_zeros(())
                     if cfg.kl_coef > 0:
-                        if out.ref_prev_sample_mean is None:
-                            raise ValueError(
-                                f"kl_coef={cfg.kl_coef} > 0 but step_fn returned no "
-                                "ref_prev_sample_mean; compute the reference transition mean or "
-                                "set kl_coef=0"
-                            )
-                        kl = kl_loss(out.prev_sample_mean, out.ref_prev_sample_mean, out.std_dev_t)
+                        kl = _kl_term(out, cfg)
                         loss = loss + cfg.kl_coef * kl
                     scaled = loss * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()

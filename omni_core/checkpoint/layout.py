@@ -26,6 +26,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
 ACTOR_DIR = "actor"
+EMA_NAME = "ema"  # <checkpoint>/actor/ema.safetensors: the moving average of the weights (actor.ema)
 LOCK_FILE = ".omniflow.lock"
 TMP_PREFIX = ".tmp_"
 

@@ -35,7 +35,10 @@ def with_absolute_paths(config: OmniFlowConfig) -> OmniFlowConfig:
     )
     reward = config.reward
     custom = reward.custom_reward_function.model_copy(update={"path": _absolute_if_local(reward.custom_reward_function.path)})
-    functions = tuple(f.model_copy(update={"path": _absolute_if_local(f.path)}) for f in reward.reward_functions)
+    local_keys = ("path", "model_path", "processor_path", "head_path")  # reward files; model rewards' folders and head
+    functions = tuple(
+        f.model_copy(update={k: _absolute_if_local(getattr(f, k)) for k in local_keys}) for f in reward.reward_functions
+    )
     return config.model_copy(
         update={
             "trainer": trainer,

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from omni_core.config.defaults_file import flatten
 from omni_core.config.errors import ConfigError, ConfigProblem
 from omni_core.config.schema import OmniFlowConfig, RewardFunctionSpec
-from omni_core.config.unsupported import UNKNOWN_IN_SECTION, UNSUPPORTED_VALUES, unsupported_key_reason
+from omni_core.config.unsupported import UNKNOWN_IN_SECTION, UNSUPPORTED_VALUES, reward_model_refusal, unsupported_key_reason
+from omni_core.rewards.entries import refused_entry_keys
 
 _INT = re.compile(r"^[-+]?\d+$")
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$", re.IGNORECASE)
@@ -138,13 +139,8 @@ def config_keys(cls: type[BaseModel]) -> dict[str, Any]:
     return {info.alias or name: info for name, info in cls.model_fields.items()}
 
 
-# Keys of one reward.reward_functions entry (RewardFunctionSpec) and verl-omni's `label` mapping form.
-_REWARD_ENTRY_KEYS = ("name", "path", "function", "weight")
-_REWARD_ENTRY_EXTRA = (
-    "OmniFlow's reward entries take name | path + function, and weight; verl-omni's extra entry keys (passed to "
-    "compute_score as keyword arguments) and `required` are not supported. Put the value in your reward file and "
-    "remove this key."
-)
+# verl-omni's extra entry keys (keyword arguments of compute_score) have no OmniFlow counterpart.
+_REWARD_ENTRY_EXTRA = "verl-omni's extra entry keys (passed to compute_score as keyword arguments) are not supported: put the value in your reward file and remove this key"
 
 
 def _all_paths(cls: type[BaseModel] = OmniFlowConfig, prefix: str = "") -> list[str]:
@@ -180,7 +176,7 @@ def check_keys(data: Mapping[str, Any], cls: type[BaseModel] = OmniFlowConfig, p
     fields = config_keys(cls)
     for key, value in data.items():
         path = f"{prefix}{key}"
-        reason = unsupported_key_reason(path)
+        reason = reward_model_refusal(value) if path == "reward.reward_model" else unsupported_key_reason(path)
         if reason:
             problems.append(ConfigProblem(path, f"not supported by OmniFlow: {reason}"))
             continue
@@ -220,11 +216,13 @@ def _reward_entry_problems(value: Any) -> list[ConfigProblem]:
     problems = []
     for label, entry in entries:
         if isinstance(entry, Mapping):
-            for k in entry:
-                if k not in _REWARD_ENTRY_KEYS:
-                    problems.append(
-                        ConfigProblem(f"reward.reward_functions.{label}.{k}", f"not supported by OmniFlow: {_REWARD_ENTRY_EXTRA}")
-                    )
+            # Keys by the entry's kind (omni_core.rewards.entries); a key at its default changes nothing (a dumped config
+            # carries every field). verl-omni's mapping form names the function `name`.
+            fields = RewardFunctionSpec.model_fields
+            given = {k: v for k, v in entry.items() if k not in fields or v != fields[k].get_default(call_default_factory=True)}
+            for k, why in refused_entry_keys(given).items():
+                why = f"{why}; {_REWARD_ENTRY_EXTRA}" if why.startswith("unknown key") else why
+                problems.append(ConfigProblem(f"reward.reward_functions.{label}.{k}", f"not supported by OmniFlow: {why}"))
     return problems
 
 

@@ -158,6 +158,16 @@ class FsdpConfig(ConfigModel):
     _dtypes = field_validator("model_dtype", "dtype")(_canonical_dtype)
 
 
+_e = _Section("actor_rollout_ref.actor.ema")
+
+
+class EmaConfig(ConfigModel):
+    enable: bool = _e("enable")
+    decay: Annotated[float, Field(ge=0, lt=1)] = _e("decay")
+    start_step: NonNegInt = _e("start_step")
+    update_interval: PositiveInt = _e("update_interval")
+
+
 _a = _Section("actor_rollout_ref.actor")
 
 
@@ -175,6 +185,9 @@ class ActorConfig(ConfigModel):
     diffusion_loss: DiffusionLossConfig = _a.section("diffusion_loss", DiffusionLossConfig)
     use_kl_loss: bool = _a("use_kl_loss")
     kl_loss_coef: Annotated[float, Field(ge=0)] = _a("kl_loss_coef")
+    kl_loss_type: Literal["transition_mean", "velocity"] = _a("kl_loss_type")
+    detach_uncond_cfg: bool = _a("detach_uncond_cfg")
+    ema: EmaConfig = _a.section("ema", EmaConfig)
     checkpoint: CheckpointContentsConfig = _a.section("checkpoint", CheckpointContentsConfig)
     fsdp_config: FsdpConfig = _a.section("fsdp_config", FsdpConfig)
 
@@ -301,12 +314,49 @@ class CustomRewardFunctionConfig(ConfigModel):
 
 
 class RewardFunctionSpec(ConfigModel):
-    """One entry of reward.reward_functions: a built-in `name`, or a `path` + `function`, with a weight."""
+    """One entry of reward.reward_functions, with a weight: a built-in `name`; a `path` + `function`; a model reward
+    (`name: pickscore | clip_score | aesthetic` + `model_path`); or a reward server (`server_url`). Which keys each
+    kind takes: `omni_core.rewards.entries`."""
 
-    name: str | None = Field(None, description="Built-in reward name (e.g. jpeg_compressibility).")
+    name: str | None = Field(
+        None, description="Built-in or model reward name (jpeg_compressibility, pickscore, ...), else the term's label."
+    )
     path: str | None = Field(None, description="Python file with a compute_score-style function.")
     function: str = Field("compute_score", description="Function name in that file.")
     weight: float = Field(1.0, description="Weight in the weighted sum.")
+    model_path: str | None = Field(None, description="Model rewards: local folder of the CLIP model (from_pretrained).")
+    processor_path: str | None = Field(
+        None, description="Model rewards: local folder of the CLIPProcessor; null means model_path."
+    )
+    head_path: str | None = Field(None, description="aesthetic: the MLP head (.safetensors, or LAION's .pth state dict).")
+    dtype: DtypeName = Field("float32", description="Model rewards: precision of the model (float32, bfloat16, float16).")
+    batch_size: PositiveInt = Field(16, description="Model and server rewards: images per model call or per request.")
+    server_url: str | None = Field(None, description="Reward server: the http(s) URL images are POSTed to.")
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="Reward server: HTTP headers; a value env:NAME is read from that variable per request."
+    )
+    format: Literal["json", "flow_grpo_pickle"] = Field("json", description="Reward server: wire format.")
+    max_concurrency: PositiveInt = Field(4, description="Reward server: requests in flight at once.")
+    request_timeout_s: PositiveFloat = Field(120.0, description="Reward server: seconds one request attempt may take.")
+    max_retries: NonNegInt = Field(
+        2, description="Reward server: retries after the first attempt (connection errors, 408, 429, 5xx)."
+    )
+    retry_backoff: Annotated[float, Field(ge=0)] = Field(
+        0.5, description="Reward server: seconds before the first retry, doubled after each."
+    )
+    prompts_from: Literal["prompt", "ground_truth"] | None = Field(
+        None,
+        description="Reward server: what is sent as each image's prompt; null means prompt (ground_truth for verl-omni's http_scorer_client path).",
+    )
+
+    _dtype = field_validator("dtype")(_canonical_dtype)
+
+
+_rm = _Section("reward.reward_model")
+
+
+class RewardModelConfig(ConfigModel):
+    enable: bool = _rm("enable")
 
 
 _rw = _Section("reward")
@@ -314,6 +364,7 @@ _rw = _Section("reward")
 
 class RewardConfig(ConfigModel):
     custom_reward_function: CustomRewardFunctionConfig = _rw.section("custom_reward_function", CustomRewardFunctionConfig)
+    reward_model: RewardModelConfig = _rw.section("reward_model", RewardModelConfig)
     reward_functions: tuple[RewardFunctionSpec, ...] = _rw("reward_functions")
     aggregation: Literal["weighted_sum"] = _rw("aggregation")
     num_workers: PositiveInt | None = _rw("num_workers")
@@ -388,7 +439,7 @@ class TrainerConfig(ConfigModel):
     total_training_steps: PositiveInt | None = _t("total_training_steps")
     project_name: str = _t("project_name")
     experiment_name: str = _t("experiment_name")
-    logger: tuple[Literal["console", "file", "tensorboard", "wandb"], ...] = _t("logger")
+    logger: tuple[Literal["console", "file", "tensorboard", "wandb", "mlflow"], ...] = _t("logger")
     nnodes: PositiveInt = _t("nnodes")
     n_gpus_per_node: PositiveInt = _t("n_gpus_per_node")
     device: Literal["auto", "cuda", "npu", "cpu"] = _t("device")

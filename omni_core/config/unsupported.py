@@ -18,9 +18,7 @@ _FSDP = (
 )
 _VLLM = "OmniFlow rolls out with rollout.name=diffusers (the pipeline's own modules in Ray actors); vLLM-Omni server knobs do not apply. Remove this key."
 _PROFILER = "profiling hooks are not implemented in OmniFlow; remove this section."
-_VIDEO = (
-    "OmniFlow generates images (SD3 / FLUX pipelines); video and audio-video pipeline settings do not apply. Remove this key."
-)
+_VIDEO = "OmniFlow generates images (SD3 / FLUX / Qwen-Image pipelines); video and audio-video pipeline settings do not apply. Remove this key."
 _VAL_PIPELINE = (
     "validation images use actor_rollout_ref.rollout.pipeline's size, guidance and sequence length; only "
     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps differs. Remove this key."
@@ -50,7 +48,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     ),
     "actor_rollout_ref.nccl_timeout": _FSDP,
     "actor_rollout_ref.model.use_shm": "OmniFlow loads models from a local directory (model.path); remove this key.",
-    "actor_rollout_ref.model.external_lib": "OmniFlow supports the diffusers pipelines StableDiffusion3Pipeline and FluxPipeline; remove this key.",
+    "actor_rollout_ref.model.external_lib": (
+        "OmniFlow supports the diffusers pipelines StableDiffusion3Pipeline, FluxPipeline and QwenImagePipeline; remove this key."
+    ),
     "actor_rollout_ref.model.extra_tokenizers": "OmniFlow uses the pipeline's own tokenizers; remove this key.",
     "actor_rollout_ref.model.custom_chat_template": "OmniFlow feeds the raw prompt text to the pipeline's text encoders; remove this key.",
     "actor_rollout_ref.model.trust_remote_code": (
@@ -101,7 +101,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         ).split()
     },
     "data.trust_remote_code": "OmniFlow reads prompts from parquet / JSONL / text and never runs remote code; remove this key.",
-    "reward.reward_model": "model-based rewards served on their own pool are not supported; use reward.custom_reward_function or reward.reward_functions.",
     "reward.reward_manager": "OmniFlow has one reward manager (custom function, weighted reward_functions, or data_source dispatch); remove this key.",
     "trainer.default_hdfs_dir": "OmniFlow writes checkpoints to trainer.default_local_dir only; remove this key.",
     "trainer.esi_redundant_time": "ESI expiry saves are a verl v0 feature; use trainer.save_freq.",
@@ -143,8 +142,8 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
         "colocate_async": "colocate_async is not implemented (verl-omni has only a yaml stub); use sync or separate_async.",
     },
     "trainer.logger": {
-        b: f"the {b} backend is not available in OmniFlow; use console, file, tensorboard or wandb."
-        for b in ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+        b: f"the {b} backend is not available in OmniFlow; use console, file, tensorboard, wandb or mlflow."
+        for b in ("swanlab", "vemlp_wandb", "clearml", "trackio")
     },
     "transfer_queue.backend.storage_backend": {
         b: f"{b} is not supported; use SimpleStorage." for b in ("MooncakeStore", "Yuanrong", "RayStore")
@@ -167,10 +166,6 @@ REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": _OFFLOAD,
     "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": (
         "sequence parallelism is not implemented; each sample's forward runs on one device. Set it to 1."
-    ),
-    "actor_rollout_ref.rollout.pipeline.true_cfg_scale": (
-        "true CFG (Qwen-Image style) is not implemented in OmniFlow's sampler; use "
-        "actor_rollout_ref.rollout.pipeline.guidance_scale (with negative prompts for FLUX) and keep true_cfg_scale=1.0."
     ),
     "reward.num_workers": (
         "rewards are scored inside each rollout worker as its images finish (streaming reward); scale them "
@@ -196,6 +191,24 @@ UNKNOWN_IN_SECTION: dict[str, str] = {
     ),
     "ray_kwargs.ray_init": "not a ray.init argument OmniFlow passes on; it accepts {accepted}.",
 }
+
+
+# verl-omni's reward.reward_model section: only `enable: false` is taken (the loader and validation apply this).
+REWARD_MODEL_REASON = (
+    "verl-omni's reward model is a generative judge served by vLLM on its own GPU pool; OmniFlow takes only "
+    "reward.reward_model.enable=false. Run the reward model as a reward.reward_functions entry instead: "
+    "{name: pickscore | clip_score | aesthetic, model_path: <local folder>} scores on the run's device, and "
+    "{name: <label>, server_url: http://<host>:<port>/score} sends the images to `omniflow reward-server` (OmniFlow's "
+    "reward terms on their own GPU or machine) or to any HTTP scorer, e.g. a vLLM judge behind a small adapter."
+)
+
+
+def reward_model_refusal(value: object) -> str | None:
+    """Why a `reward.reward_model` section is refused (it sets more than `enable: false`), or None."""
+    if isinstance(value, dict) and set(value) <= {"enable"} and value.get("enable") in (False, None):
+        return None
+    given = sorted(value) if isinstance(value, dict) else [repr(value)]
+    return f"{REWARD_MODEL_REASON} (set here: {', '.join(given)})"
 
 
 def unsupported_key_reason(path: str) -> str | None:

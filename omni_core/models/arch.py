@@ -1,13 +1,18 @@
 """What differs between the supported pipelines: latent layout, timestep schedule, text conditioning,
-the transformer call and VAE decoding.
+the transformer call, the guidance semantics and VAE decoding.
 
 ``FlowPolicy`` is written once against ``ArchAdapter``; each adapter mirrors the corresponding diffusers
-pipeline's ``__call__`` (StableDiffusion3Pipeline, FluxPipeline) step by step, so that rollout through
-OmniFlow gives the images the diffusers pipeline would give for the same latents.
+pipeline's ``__call__`` (StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline) step by step, so that
+rollout through OmniFlow gives the images the diffusers pipeline would give for the same latents.
 
-Latent layouts (fp32, batch first): SD3 ``[B, C, h, w]`` (C = 16, h = H / vae_scale_factor); FLUX is
-stored *packed* as ``[B, N, C*4]`` with ``N = (h/2)*(w/2)`` (2x2 latent patches folded into channels),
-the layout its transformer consumes.
+Latent layouts (fp32, batch first): SD3 ``[B, C, h, w]`` (C = 16, h = H / vae_scale_factor); FLUX and
+Qwen-Image are stored *packed* as ``[B, N, C*4]`` with ``N = (h/2)*(w/2)`` (2x2 latent patches folded into
+channels), the layout their transformers consume (Qwen-Image's VAE adds a frame axis when unpacked).
+
+Guidance (``cfg_scale``, ``needs_negative_prompt``, ``combine_cfg``), as the pipelines define it:
+SD3's ``guidance_scale`` is classifier-free guidance; FLUX's ``guidance_scale`` only feeds the guidance
+embedding of a guidance-distilled transformer and its ``true_cfg_scale`` is CFG with negative prompts;
+Qwen-Image's ``true_cfg_scale`` is CFG with a norm-preserving rescale.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import math
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline
+import torch.nn.functional as F
+from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 
@@ -37,6 +43,9 @@ class ArchAdapter:
     name = "base"
     #: key names of the cond dict (positive; the negatives are prefixed with ``negative_``)
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    #: CFG runs only when negative prompts are given (FluxPipeline / QwenImagePipeline: ``has_neg_prompt``);
+    #: False: the pipeline encodes ``""`` negatives itself (StableDiffusion3Pipeline)
+    needs_negative_prompt = True
 
     def __init__(self, pipe: DiffusionPipeline):
         self.pipe = pipe
@@ -81,6 +90,14 @@ class ArchAdapter:
     def forward(self, transformer, latents, timesteps, cond: dict, guidance_scale: float, height, width):
         raise NotImplementedError
 
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float) -> float:
+        """The scale of classifier-free guidance (1.0: none) given the pipeline's two guidance arguments."""
+        return true_cfg_scale
+
+    def combine_cfg(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """CFG: ``uncond + scale * (cond - uncond)`` (Imagen's equation 2, as the pipelines write it)."""
+        return uncond + scale * (cond - uncond)
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Latents -> uint8 images ``[B, 3, H, W]`` (the pipelines' postprocess, without PIL)."""
@@ -95,6 +112,10 @@ class SD3Adapter(ArchAdapter):
     """StableDiffusion3Pipeline: spatial latents, three text encoders, timestep in [0, 1000]."""
 
     name = "sd3"
+    needs_negative_prompt = False
+
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float) -> float:
+        return guidance_scale  # StableDiffusion3Pipeline has no true_cfg_scale: guidance_scale is CFG
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.latent_channels, *self.latent_hw(height, width))
@@ -136,7 +157,11 @@ class SD3Adapter(ArchAdapter):
 
 
 class FluxAdapter(ArchAdapter):
-    """FluxPipeline: packed latents, CLIP pooled + T5 sequence, timestep in [0, 1], guidance embedding."""
+    """FluxPipeline: packed latents, CLIP pooled + T5 sequence, timestep in [0, 1], guidance embedding.
+
+    ``guidance_scale`` feeds only the guidance embedding (FLUX.1-dev); ``true_cfg_scale > 1`` with negative
+    prompts runs true CFG on top (FluxPipeline's ``do_true_cfg``), each branch with the same embedding.
+    """
 
     name = "flux"
 
@@ -184,7 +209,7 @@ class FluxAdapter(ArchAdapter):
         )
         cond = {"prompt_embeds": pos, "pooled_prompt_embeds": pooled}
         if do_cfg:
-            negs = negative_prompts if negative_prompts is not None else [""] * len(prompts)
+            negs = list(negative_prompts) if negative_prompts is not None else [""] * len(prompts)
             neg, neg_pooled, _ = self.pipe.encode_prompt(
                 prompt=negs, prompt_2=None, device=device, max_sequence_length=max_sequence_length
             )
@@ -211,9 +236,91 @@ class FluxAdapter(ArchAdapter):
         )[0]
 
 
+class QwenImageAdapter(FluxAdapter):
+    """QwenImagePipeline: FLUX's packed latents and sigma schedule (dynamic shift, ``mu`` from the packed length),
+    one Qwen2.5-VL text encoder read through a chat template, ``img_shapes`` with a frame axis, a VAE with
+    per-channel ``latents_mean`` / ``latents_std`` and true CFG rescaled to the conditional prediction's norm.
+
+    Prompt embeddings: the pipeline's ``encode_prompt`` (template, the template's first 34 tokens dropped,
+    cut to ``max_sequence_length``) gives a prompt's valid tokens only; they are zero-padded here to
+    ``max_sequence_length`` rows with ``prompt_embeds_mask`` (1 valid, 0 padding), so that rows of different
+    prompts, and the negative and positive halves of a CFG batch, stack. The transformer masks the padding
+    out of attention (the text RoPE positions of valid tokens do not move), so a padded prompt gives the
+    image tokens the velocity of the unpadded one up to rounding.
+    """
+
+    name = "qwen-image"
+    cond_keys = ("prompt_embeds", "prompt_embeds_mask")
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.pipe.vae.config.z_dim)
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (1, self.latent_channels, *self._grid(height, width))  # QwenImagePipeline: (B, 1, C, h, w)
+
+    def noise_to_latents(self, noise: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        b, _, c, h, w = noise.shape
+        return QwenImagePipeline._pack_latents(noise, b, c, h, w)
+
+    def to_spatial(self, latents: torch.Tensor, height: int | None, width: int | None) -> torch.Tensor:
+        """Packed ``[B, N, 4C]`` -> the VAE's ``[B, C, 1, h, w]``."""
+        h, w = self._grid(height, width, latents.shape[1])
+        f = self.vae_scale_factor
+        return QwenImagePipeline._unpack_latents(latents, h * f, w * f, f)
+
+    def encode(self, prompts, negative_prompts, max_sequence_length, do_cfg, device) -> dict:
+        cond = self._encode(prompts, max_sequence_length, device)
+        if do_cfg:
+            negs = list(negative_prompts) if negative_prompts is not None else [""] * len(prompts)
+            cond |= {"negative_" + k: v for k, v in self._encode(negs, max_sequence_length, device).items()}
+        return cond
+
+    def _encode(self, prompts: list[str], max_sequence_length: int, device) -> dict:
+        embeds, mask = self.pipe.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=max_sequence_length)
+        if mask is None:  # encode_prompt drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        pad = max_sequence_length - embeds.shape[1]
+        return {
+            "prompt_embeds": F.pad(embeds, (0, 0, 0, pad)),
+            "prompt_embeds_mask": F.pad(mask, (0, pad)).to(embeds.dtype),
+        }
+
+    def forward(self, transformer, latents, timesteps, cond, guidance_scale, height, width):
+        h, w = self._grid(height, width, latents.shape[1])
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device)
+        return transformer(
+            hidden_states=latents,
+            timestep=timesteps / 1000,
+            guidance=guidance,
+            encoder_hidden_states_mask=cond["prompt_embeds_mask"] > 0.5,
+            encoder_hidden_states=cond["prompt_embeds"],
+            img_shapes=[[(1, h // 2, w // 2)]] * latents.shape[0],
+            return_dict=False,
+        )[0]
+
+    def combine_cfg(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """QwenImagePipeline's true CFG: the linear combination, rescaled per token to the norm of ``cond``."""
+        combined = uncond + scale * (cond - uncond)
+        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipe.vae
+        z = self.to_spatial(latents.float(), height, width).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0].float()
+        return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
 ADAPTERS: dict[str, type[ArchAdapter]] = {
     "StableDiffusion3Pipeline": SD3Adapter,
     "FluxPipeline": FluxAdapter,
+    "QwenImagePipeline": QwenImageAdapter,
 }
 
 

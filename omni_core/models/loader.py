@@ -12,9 +12,9 @@ import inspect
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 
-from omni_core.models.model_index import ModelLoadError, read_model_index
+from omni_core.models.model_index import ARCHITECTURE_ALIASES, ModelLoadError, read_model_index
 from omni_core.quiet import quiet_model_libraries
 
 quiet_model_libraries()  # no progress bars while every actor loads its pipeline
@@ -23,13 +23,12 @@ quiet_model_libraries()  # no progress bars while every actor loads its pipeline
 SUPPORTED_PIPELINES: dict[str, type[DiffusionPipeline]] = {
     "StableDiffusion3Pipeline": StableDiffusion3Pipeline,
     "FluxPipeline": FluxPipeline,
+    "QwenImagePipeline": QwenImagePipeline,
 }
-# Short names a user may type in ``actor_rollout_ref.model.architecture``.
-ARCHITECTURE_ALIASES: dict[str, str] = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 
 
 def resolve_architecture(architecture: str) -> str:
-    """Map ``"sd3"`` / ``"flux"`` / a pipeline class name to the supported pipeline class name."""
+    """Map ``"sd3"`` / ``"flux"`` / ``"qwen-image"`` / a pipeline class name to the supported pipeline class name."""
     name = ARCHITECTURE_ALIASES.get(architecture.lower(), architecture)
     if name not in SUPPORTED_PIPELINES:
         choices = sorted(SUPPORTED_PIPELINES) + sorted(ARCHITECTURE_ALIASES)
@@ -40,7 +39,7 @@ def resolve_architecture(architecture: str) -> str:
 def check_pipeline_folder(path: str | Path, architecture: str | None = None) -> str:
     """The supported pipeline class saved in ``path``, after checking the folder the way loading needs it.
 
-    ``architecture`` (``"sd3"``, ``"flux"``, a pipeline class name, or None / ``"auto"`` to read
+    ``architecture`` (``"sd3"``, ``"flux"``, ``"qwen-image"``, a pipeline class name, or None / ``"auto"`` to read
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given; every component
     folder listed in ``model_index.json`` must exist. Raises ``ModelLoadError`` naming the path.
     """
@@ -87,7 +86,7 @@ def freeze_non_trainable(pipe: DiffusionPipeline) -> None:
 
 
 def text_components(pipeline_cls: type[DiffusionPipeline]) -> list[str]:
-    """The text-encoder and tokenizer arguments of a pipeline class (SD3: 3 + 3, FLUX: 2 + 2)."""
+    """The text-encoder and tokenizer arguments of a pipeline class (SD3: 3 + 3, FLUX: 2 + 2, Qwen-Image: 1 + 1)."""
     params = inspect.signature(pipeline_cls.__init__).parameters
     return [name for name in params if name.startswith(("text_encoder", "tokenizer"))]
 
@@ -100,7 +99,7 @@ def load_pipeline(
 ) -> DiffusionPipeline:
     """Load the pipeline saved in ``path`` (local only) and freeze its text encoders and VAE.
 
-    ``architecture`` (``"sd3"``, ``"flux"``, a pipeline class name, or None / ``"auto"`` to read
+    ``architecture`` (``"sd3"``, ``"flux"``, ``"qwen-image"``, a pipeline class name, or None / ``"auto"`` to read
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given.
     ``text_encoders=False`` leaves the text encoders and tokenizers out (None): for a policy whose
     prompts come from precomputed embeddings (``omni_core.models.prompt_embeddings``).

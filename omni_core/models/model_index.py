@@ -1,5 +1,7 @@
 """A saved diffusers pipeline's `model_index.json`, read without importing diffusers (~3 s on 2 cores): what
-cache keys and checks that only list a folder's components need (`prompt_embeddings.text_encoder_fingerprint`)."""
+cache keys and checks that only list a folder's components need (`prompt_embeddings.text_encoder_fingerprint`),
+and what config validation needs to know of the architecture before anything loads: the pipeline class and
+whether its transformer is guidance-distilled (`guidance_embeds`, which decides what `guidance_scale` means)."""
 
 from __future__ import annotations
 
@@ -19,3 +21,29 @@ def read_model_index(path: Path) -> dict:
         return json.loads(index_file.read_text())
     except json.JSONDecodeError as err:
         raise ModelLoadError(f"{index_file}: not valid JSON ({err})") from err
+
+
+# Short names a user may type in ``actor_rollout_ref.model.architecture`` (``loader.resolve_architecture``).
+ARCHITECTURE_ALIASES: dict[str, str] = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "qwen-image": "QwenImagePipeline",
+}
+
+
+def pipeline_class_name(path: Path, architecture: str | None = None) -> str | None:
+    """The pipeline class a run uses: ``architecture`` (an alias or a class name) when set (not ``"auto"``), else
+    ``model_index.json``'s ``_class_name``; unchecked (``loader.check_pipeline_folder`` checks it)."""
+    if architecture and architecture.lower() != "auto":
+        return ARCHITECTURE_ALIASES.get(architecture.lower(), architecture)
+    return read_model_index(path).get("_class_name")
+
+
+def transformer_guidance_embeds(path: Path) -> bool:
+    """Whether the saved transformer takes a guidance embedding (``transformer/config.json`` ``guidance_embeds``;
+    FLUX.1-dev: true, FLUX.1-schnell: false); False when the config is missing or unreadable."""
+    config_file = path / "transformer" / "config.json"
+    try:
+        return bool(json.loads(config_file.read_text()).get("guidance_embeds", False))
+    except (OSError, json.JSONDecodeError):
+        return False

@@ -222,8 +222,9 @@ class FlowPolicy:
         max_sequence_length: int = 128,
         do_cfg: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """The cond dict: ``prompt_embeds [B, L, D]``, ``pooled_prompt_embeds [B, P]`` and, with ``do_cfg``,
-        the same keys prefixed ``negative_`` (empty-string negatives when none are given)."""
+        """The cond dict (``arch.cond_keys``): ``prompt_embeds [B, L, D]`` and ``pooled_prompt_embeds [B, P]`` (SD3,
+        FLUX) or ``prompt_embeds_mask [B, L]`` (Qwen-Image) and, with ``do_cfg``, the same keys prefixed ``negative_``
+        (empty-string negatives when none are given)."""
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
             raise ValueError(f"{len(negative_prompts)} negative prompts for {len(prompts)} prompts")
         if self.prompt_embeddings is not None:
@@ -240,7 +241,7 @@ class FlowPolicy:
         return {k: v.detach() for k, v in cond.items()}
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Per-sample latent shape: SD3 ``(C, H/f, W/f)``; FLUX packed ``(H/2f * W/2f, 4C)``."""
+        """Per-sample latent shape: SD3 ``(C, H/f, W/f)``; FLUX / Qwen-Image packed ``(H/2f * W/2f, 4C)``."""
         return self.arch.latent_shape(height, width)
 
     def prepare_latents(self, batch: int, height: int, width: int, generator: Generators = None) -> torch.Tensor:
@@ -255,7 +256,7 @@ class FlowPolicy:
         return self.scheduler.timesteps.float().cpu(), self.scheduler.sigmas.float().cpu()
 
     def decode(self, latents: torch.Tensor, height: int | None = None, width: int | None = None) -> torch.Tensor:
-        """uint8 images ``[B, 3, H, W]``; FLUX needs ``height``/``width`` for non-square images."""
+        """uint8 images ``[B, 3, H, W]``; FLUX / Qwen-Image need ``height``/``width`` for non-square images."""
         return self.arch.decode(latents.to(self.device), height, width)
 
     # ----------------------------------------------------------------------------- forward
@@ -268,15 +269,22 @@ class FlowPolicy:
         use_reference: bool = False,
         height: int | None = None,
         width: int | None = None,
+        detach_uncond: bool = False,
+        true_cfg_scale: float = 1.0,
     ) -> torch.Tensor:
         """Predicted velocity ``[B, *latent_shape]`` (fp32) at per-sample ``timesteps [B]`` (scheduler units).
 
-        CFG runs as one batched forward ``[negative; positive]`` when ``cond`` holds negatives and
-        ``guidance_scale > 1``; for a guidance-distilled FLUX transformer ``guidance_scale`` also feeds the
-        guidance embedding. ``use_reference=True`` evaluates the reference policy under ``no_grad``.
+        CFG runs as one batched forward ``[negative; positive]`` when ``cond`` holds negatives and the
+        architecture's CFG scale is above 1 (``arch.cfg_scale``: SD3 ``guidance_scale``; FLUX and Qwen-Image
+        ``true_cfg_scale``), combined by ``arch.combine_cfg`` (Qwen-Image rescales to the conditional norm);
+        a guidance-distilled transformer (FLUX.1-dev) takes ``guidance_scale`` in its guidance embedding.
+        ``use_reference=True`` evaluates the reference policy under ``no_grad``.
+        ``detach_uncond``: no gradient flows through the unconditional branch of CFG (flow_grpo's training
+        forward); the value is the same.
         """
         batch = latents.shape[0]
-        do_cfg = guidance_scale > 1.0 and "negative_prompt_embeds" in cond
+        cfg_scale = self.arch.cfg_scale(guidance_scale, true_cfg_scale)
+        do_cfg = cfg_scale > 1.0 and "negative_prompt_embeds" in cond
         x = latents.to(self.device, self.dtype)
         t = torch.as_tensor(timesteps, device=self.device).float().reshape(-1).expand(batch).to(self.dtype)
         fwd_cond = {k: cond[k].to(self.device, self.dtype) for k in self.arch.cond_keys}
@@ -300,7 +308,9 @@ class FlowPolicy:
             out = self.arch.forward(model, x, t, fwd_cond, guidance_scale, height, width).float()
         if do_cfg:
             uncond, cond_out = out.chunk(2)
-            out = uncond + guidance_scale * (cond_out - uncond)
+            if detach_uncond:
+                uncond = uncond.detach()
+            out = self.arch.combine_cfg(uncond, cond_out, cfg_scale)
         return out
 
     @contextlib.contextmanager

@@ -1,8 +1,10 @@
 """Prompt embeddings computed once per prompt set, so that the text encoders stay off the device afterwards.
 
-Owns the file that holds them: one safetensors file (never pickle) with two tensors per unique prompt
-text, ``<key>.prompt_embeds [L, D]`` and ``<key>.pooled_prompt_embeds [P]`` (``key = prompt_key(text)``),
-and metadata (architecture, max_sequence_length, text-encoder fingerprint, count, dtype, device). It
+Owns the file that holds them: one safetensors file (never pickle) with one tensor per cond key of the
+architecture per unique prompt text, ``<key>.<name>`` (``key = prompt_key(text)``; SD3 / FLUX
+``prompt_embeds [L, D]`` and ``pooled_prompt_embeds [P]``, Qwen-Image ``prompt_embeds [L, D]`` and
+``prompt_embeds_mask [L]``), and metadata (architecture, cond keys, max_sequence_length, text-encoder
+fingerprint, count, dtype, device). It
 owns writing that file from a pipeline's text encoders and tokenizers alone (``encode_prompt_set``) and
 reading it back, memory-mapped, as the cond dict ``FlowPolicy.encode_prompts`` returns
 (``PromptEmbeddings.cond``).
@@ -32,7 +34,9 @@ if TYPE_CHECKING:
     from omni_core.models.arch import ArchAdapter
 
 FORMAT = "omniflow-prompt-embeddings/1"
-# The pipeline components that turn text into embeddings (SD3: three encoders, FLUX: two).
+# The cond keys of a file written before the metadata named them (SD3 / FLUX).
+DEFAULT_COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
+# The pipeline components that turn text into embeddings (SD3: three encoders, FLUX: two, Qwen-Image: one).
 TEXT_COMPONENT_PREFIXES = ("text_encoder", "tokenizer")
 
 
@@ -137,11 +141,12 @@ def encode_prompt_set(
     for text in texts:
         cond = adapter.encode([text], None, max_sequence_length, False, torch.device(device))
         key = prompt_key(text)
-        tensors[f"{key}.prompt_embeds"] = cond["prompt_embeds"][0].contiguous().cpu()
-        tensors[f"{key}.pooled_prompt_embeds"] = cond["pooled_prompt_embeds"][0].contiguous().cpu()
+        for name in adapter.cond_keys:
+            tensors[f"{key}.{name}"] = cond[name][0].contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "architecture": type(adapter.pipe).__name__,
+        "cond_keys": ",".join(adapter.cond_keys),
         "max_sequence_length": str(max_sequence_length),
         "text_encoder_fingerprint": text_encoder_fingerprint(model_path),
         "count": str(len(texts)),
@@ -199,6 +204,12 @@ class PromptEmbeddings:
     def architecture(self) -> str:
         return self.metadata["architecture"]
 
+    @property
+    def cond_keys(self) -> tuple[str, ...]:
+        """The tensors stored per prompt (the architecture adapter's ``cond_keys``)."""
+        names = self.metadata.get("cond_keys")
+        return tuple(names.split(",")) if names else DEFAULT_COND_KEYS
+
     def __len__(self) -> int:
         return int(self.metadata["count"])
 
@@ -228,7 +239,7 @@ class PromptEmbeddings:
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
         """The cond dict of ``FlowPolicy.encode_prompts(prompts, negative_prompts, max_sequence_length, do_cfg)``:
-        ``prompt_embeds [B, L, D]``, ``pooled_prompt_embeds [B, P]`` and, with ``do_cfg``, the same keys
+        ``prompt_embeds [B, L, D]``, ``pooled_prompt_embeds [B, P]`` (the file's ``cond_keys``) and, with ``do_cfg``, the same keys
         prefixed ``negative_`` (``""`` negatives when ``negative_prompts`` is None). ``dtype`` None keeps
         the dtype the encoders produced."""
         prompts = list(prompts)
@@ -239,6 +250,6 @@ class PromptEmbeddings:
             groups["negative_"] = list(negative_prompts) if negative_prompts is not None else [""] * len(prompts)
         cond = {}
         for prefix, texts in groups.items():
-            for name in ("prompt_embeds", "pooled_prompt_embeds"):
+            for name in self.cond_keys:
                 cond[prefix + name] = self._rows(texts, name).to(device=device, dtype=dtype)
         return cond

@@ -1,8 +1,8 @@
-"""Published SD3.5-medium and FLUX.1-dev architectures, built offline with random weights.
+"""Published SD3.5-medium, FLUX.1-dev and Qwen-Image architectures, built offline with random weights.
 
 Owns the config values of the published model folders (the ``transformer/config.json``,
 ``vae/config.json`` and ``scheduler/scheduler_config.json`` of stabilityai/stable-diffusion-3.5-medium
-and black-forest-labs/FLUX.1-dev), a shrunken variant of each for CPU self-checks (same classes, a few
+black-forest-labs/FLUX.1-dev and Qwen/Qwen-Image), a shrunken variant of each for CPU self-checks (same classes, a few
 layers, small widths), and a builder that writes a whole diffusers pipeline folder with
 ``save_pretrained``, so that ``FlowPolicy(path)`` loads it the production way. No hub access: every
 component is created from its config, as ``omni_core.models.tiny`` does for the tiny test models.
@@ -15,7 +15,9 @@ tokenizers); only their *output widths* follow what the transformer expects:
   (2048; SD3's ``encode_prompt`` concatenates the two CLIP text embeddings and pads the CLIP hidden
   states up to the T5 width, so the CLIP hidden size itself only has to stay below it);
 - FLUX: T5 ``d_model`` = ``joint_attention_dim`` (4096), CLIP hidden = ``pooled_projection_dim`` (768: FLUX
-  pools with ``CLIPTextModel.pooler_output``).
+  pools with ``CLIPTextModel.pooler_output``);
+- Qwen-Image (~20.4 B transformer parameters): the Qwen2.5-VL hidden size = ``joint_attention_dim`` (3584), with
+  tiny.py's Qwen2 tokenizer; its VAE is ``AutoencoderKLQwenImage`` (scale factor 8, 16 latent channels).
 
 So the transformer sees the published sequence widths; the text tokens per prompt are CLIP's 77 (SD3 only)
 plus ``max_sequence_length`` T5 tokens.
@@ -31,15 +33,18 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from omni_core.models.tiny import build_clip_tokenizer, build_t5_tokenizer
+from omni_core.models.tiny import build_clip_tokenizer, build_qwen2_tokenizer, build_t5_tokenizer, qwen_text_encoder
 
 # The VAE of both models (AutoencoderKL, 16 latent channels, 4 blocks: scale factor 8); they differ
 # only in the latent scaling / shift constants.
@@ -83,6 +88,9 @@ class PublishedModel:
     scheduler: dict[str, Any]
     # Overrides of ``transformer`` for CPU self-checks: a few layers, small widths, same class and options.
     shrunk: dict[str, Any] = field(default_factory=dict)
+    vae_cls: type = AutoencoderKL
+    # Overrides of ``vae`` for CPU self-checks.
+    vae_shrunk: dict[str, Any] = field(default_factory=lambda: dict(_VAE_SHRUNK))
 
 
 PUBLISHED: dict[str, PublishedModel] = {
@@ -157,6 +165,52 @@ PUBLISHED: dict[str, PublishedModel] = {
             "axes_dims_rope": [4, 6, 6],  # sums to attention_head_dim
         },
     ),
+    "qwen-image": PublishedModel(
+        name="qwen-image",
+        source="Qwen/Qwen-Image",
+        pipeline_cls=QwenImagePipeline,
+        transformer_cls=QwenImageTransformer2DModel,
+        transformer={
+            "patch_size": 2,
+            "in_channels": 64,
+            "out_channels": 16,
+            "num_layers": 60,
+            "attention_head_dim": 128,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 3584,
+            "guidance_embeds": False,
+            "axes_dims_rope": [16, 56, 56],
+        },
+        vae_cls=AutoencoderKLQwenImage,  # its latents_mean / latents_std are the constructor's defaults
+        vae={
+            "base_dim": 96,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 4, 4],
+            "num_res_blocks": 2,
+            "attn_scales": [],
+            "temperal_downsample": [False, True, True],
+            "dropout": 0.0,
+        },
+        vae_shrunk={"base_dim": 8, "dim_mult": [1, 2], "num_res_blocks": 1, "temperal_downsample": [False]},
+        scheduler={
+            "num_train_timesteps": 1000,
+            "shift": 1.0,
+            "use_dynamic_shifting": True,
+            "base_shift": 0.5,
+            "max_shift": 0.9,
+            "base_image_seq_len": 256,
+            "max_image_seq_len": 8192,
+            "shift_terminal": 0.02,
+            "time_shift_type": "exponential",
+        },
+        shrunk={
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "axes_dims_rope": [4, 6, 6],  # sums to attention_head_dim
+        },
+    ),
 }
 
 
@@ -174,7 +228,7 @@ def transformer_config(name: str, shrink: bool = False) -> dict[str, Any]:
 
 def vae_config(name: str, shrink: bool = False) -> dict[str, Any]:
     model = published_model(name)
-    return {**model.vae, **(_VAE_SHRUNK if shrink else {})}
+    return {**model.vae, **(model.vae_shrunk if shrink else {})}
 
 
 def _clip(hidden: int, projection: int | None, tokenizer) -> CLIPTextModel:
@@ -211,6 +265,10 @@ def _t5(d_model: int, tokenizer) -> T5EncoderModel:
 
 def _components(model: PublishedModel, transformer: dict[str, Any], seed: int) -> dict[str, Any]:
     """Every pipeline component but the transformer and VAE, seeded per component (tiny.py's scheme)."""
+    if model.pipeline_cls is QwenImagePipeline:
+        tokenizer = build_qwen2_tokenizer()
+        torch.manual_seed(seed + 10)
+        return {"text_encoder": qwen_text_encoder(tokenizer, transformer["joint_attention_dim"]), "tokenizer": tokenizer}
     clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
     joint, pooled = transformer["joint_attention_dim"], transformer["pooled_projection_dim"]
     if model.pipeline_cls is StableDiffusion3Pipeline:
@@ -274,7 +332,7 @@ def build_published_pipeline(
             torch.manual_seed(seed)
             transformer = model.transformer_cls(**t_config)
             torch.manual_seed(seed + 1)
-            vae = AutoencoderKL(**v_config)
+            vae = model.vae_cls(**v_config)
             others = _components(model, t_config, seed)
         _sync(device)
         t1 = time.perf_counter()

@@ -27,6 +27,21 @@ RoPE axes (8, 12, 12), guidance embedding on (FLUX.1-dev style), 64 packed chann
 the same VAE family (16 latent channels, scale factor 2; 64 px -> 256 packed tokens of 64 channels);
 ``FlowMatchEulerDiscreteScheduler`` with resolution-dependent (dynamic) shifting.
 
+Tiny Qwen-Image (``arch="qwen-image"``, ``QwenImagePipeline``), ~1.3 M transformer parameters:
+
+- ``tokenizer``: ``Qwen2Tokenizer`` (byte-level BPE, ~370 tokens) whose merges make every word of the
+  pipeline's prompt template one token, so the template's system part is 34 tokens, as with the real Qwen
+  tokenizer, and the pipeline's ``prompt_template_encode_start_idx = 34`` drops exactly that part; the chat
+  special tokens ``<|im_start|>`` / ``<|im_end|>``; ``<|endoftext|>`` pads.
+- ``text_encoder``: ``Qwen2_5_VLForConditionalGeneration`` hidden 32, 2 layers, 2 heads (1 KV head), mrope
+  sections (2, 3, 3); a 1-block vision tower that text-to-image never calls.
+- ``transformer``: ``QwenImageTransformer2DModel`` 2 layers, 4 heads x 32, RoPE axes (8, 12, 12), patch 2,
+  64 packed channels (16 x 2 x 2), ``joint_attention_dim`` 32 (== the text hidden size).
+- ``vae``: ``AutoencoderKLQwenImage`` base 8 channels, one downsampling (scale factor 2), ``z_dim`` 16 with
+  Qwen-Image's published ``latents_mean`` / ``latents_std``; 32 px -> 64 packed tokens of 64 channels.
+- ``scheduler``: Qwen-Image's published ``FlowMatchEulerDiscreteScheduler`` config (exponential dynamic
+  shift, base 0.5 / max 0.9 over 256..8192 tokens, ``shift_terminal`` 0.02).
+
 Determinism: ``torch.manual_seed(seed + k)`` before the k-th component, so the same seed gives
 bit-identical weights whatever was built before.
 """
@@ -38,17 +53,24 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
+from tokenizers import AddedToken
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -58,10 +80,11 @@ from omni_core.quiet import quiet_model_libraries
 
 quiet_model_libraries()  # no progress bars while writing the tiny model
 
-ARCHITECTURES = ("sd3", "flux")
+ARCHITECTURES = ("sd3", "flux", "qwen-image")
 
 CLIP_HIDDEN = 32
 T5_D_MODEL = 64
+QWEN_TEXT_HIDDEN = 32
 LATENT_CHANNELS = 16
 
 # A few words so that the T5 Unigram tokenizer produces whole-word pieces for typical test prompts;
@@ -105,6 +128,36 @@ def build_t5_tokenizer() -> T5Tokenizer:
     # Whole words score better than their spelled-out characters, so Unigram prefers them.
     pieces += [("▁" + w, -3.0) for w in _T5_WORDS]
     return T5Tokenizer(vocab=pieces, extra_ids=100, model_max_length=512)
+
+
+# QwenImagePipeline's prompt template, read from the class (its system part is dropped after encoding).
+_QWEN_TEMPLATE_WORDS = ("system", "user", "assistant", "Describe")
+_QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def build_qwen2_tokenizer() -> Qwen2Tokenizer:
+    """A real ``Qwen2Tokenizer`` (byte-level BPE with Qwen2's pre-tokenizer) over the 256 byte symbols, with merges
+    that make each word of QwenImagePipeline's prompt template (and of a few test words) a single token.
+
+    Each word's merges are spelled out left to right (``Ġ t`` -> ``Ġt``, ``Ġt h`` -> ``Ġth``, ...), so the vocab is
+    the byte alphabet plus those prefixes; ``<|endoftext|>`` (id 0) pads and ends, the chat tokens are special.
+    """
+    byte_symbols = _bytes_to_unicode()
+    symbols, space = list(byte_symbols.values()), byte_symbols[ord(" ")]  # "Ġ": byte-level BPE's leading space
+    template = QwenImagePipeline.__init__.__code__.co_consts  # the template is a literal of the constructor
+    text = next(c for c in template if isinstance(c, str) and c.startswith("<|im_start|>system"))
+    words = [w.strip(",:") for w in text.split("\n")[1].split("<|im_end|>")[0].split(" ")]
+    vocab = {"<|endoftext|>": 0}
+    vocab.update((s, i + 1) for i, s in enumerate(symbols))
+    merges: list[tuple[str, str]] = []
+    for word in [*_QWEN_TEMPLATE_WORDS, *(space + w for w in words[1:] + list(_T5_WORDS))]:
+        for end in range(2, len(word) + 1):
+            if word[:end] not in vocab:
+                merges.append((word[: end - 1], word[end - 1]))
+                vocab[word[:end]] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=2048)
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in _QWEN_SPECIAL_TOKENS], special_tokens=True)
+    return tokenizer
 
 
 def _clip_config(vocab_size: int, tokenizer: CLIPTokenizer) -> CLIPTextConfig:
@@ -154,6 +207,37 @@ def _vae(shift_factor: float, scaling_factor: float) -> AutoencoderKL:
         shift_factor=shift_factor,
         scaling_factor=scaling_factor,
     )
+
+
+def qwen_text_encoder(tokenizer: Qwen2Tokenizer, hidden: int = QWEN_TEXT_HIDDEN) -> Qwen2_5_VLForConditionalGeneration:
+    """A 2-layer Qwen2.5-VL of width ``hidden`` (a multiple of 16: heads of 16 dims, one KV head)."""
+    head_dim = 16
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": hidden // head_dim,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            # Qwen2.5-VL's multimodal RoPE: temporal / height / width sections of the head_dim / 2 frequencies.
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": hidden,
+            "fullatt_block_indexes": [0],
+        },
+    )
+    assert head_dim // 2 == sum(config.text_config.rope_parameters["mrope_section"])
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def _seeded(seed: int, k: int) -> None:
@@ -240,8 +324,46 @@ def _build_flux(seed: int) -> FluxPipeline:
     )
 
 
+def _build_qwen_image(seed: int) -> QwenImagePipeline:
+    tokenizer = build_qwen2_tokenizer()
+    _seeded(seed, 0)
+    text_encoder = qwen_text_encoder(tokenizer)
+    _seeded(seed, 1)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=LATENT_CHANNELS * 4,  # 2x2 latent patches packed into channels
+        out_channels=LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=QWEN_TEXT_HIDDEN,
+        axes_dims_rope=(8, 12, 12),  # frame, height, width: sums to attention_head_dim
+    )
+    _seeded(seed, 2)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]
+    )  # len(temperal_downsample) = 1 -> vae_scale_factor 2; latents_mean / latents_std: Qwen-Image's
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image scheduler_config.json
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+
+
+_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "qwen-image": _build_qwen_image}
+
+
 def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0) -> Path:
-    """Build a tiny random-weight pipeline of ``arch`` ("sd3" or "flux") and save it to ``out_dir``.
+    """Build a tiny random-weight pipeline of ``arch`` ("sd3", "flux" or "qwen-image") and save it to ``out_dir``.
 
     Returns the directory, which ``load_pipeline`` (or ``<Pipeline>.from_pretrained``) reads back.
     Dimensions are listed in the module docstring. The global torch RNG is reseeded while building
@@ -252,7 +374,7 @@ def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0) -
     out = Path(out_dir)
     rng_state = torch.random.get_rng_state()
     try:
-        pipe = _build_sd3(seed) if arch == "sd3" else _build_flux(seed)
+        pipe = _BUILDERS[arch](seed)
     finally:
         torch.random.set_rng_state(rng_state)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,14 +11,20 @@ Meanwhile it keeps whatever memory it holds, and a busy loop keeps a core busy a
 (a call blocked on I/O or a sleep costs nothing). The next call gets a fresh thread, so the worker stays
 usable. Daemon threads, not a `ThreadPoolExecutor`: an executor joins its threads at interpreter exit,
 so one hung call would keep the process from ever exiting.
+
+Batched terms (model rewards, reward servers) go through `call_batches`: each batch call gets a daemon thread of
+its own, at most `concurrency` run at once, and each has its own deadline counted from its start. Once one
+batch timed out, the batches not started yet fail without a call (as a hung per-sample term's later samples do).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, wait
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 __all__ = ["DeadlineRunner", "RewardTimeout"]
@@ -57,6 +63,61 @@ class DeadlineRunner:
             self.abandoned += 1
             raise RewardTimeout(f"timed out after {self.timeout_s:g} s (reward.timeout_s)")
         return done.result()
+
+    def call_batches(self, fn: Callable[[Any], Any], jobs: Sequence[Any], concurrency: int = 1) -> list[Any]:
+        """`fn(job)` for each job, at most `concurrency` at once, each within `timeout_s` of its own start.
+
+        Returns one entry per job: its result, or the exception it raised, or a `RewardTimeout` (it missed its
+        deadline and runs on abandoned, or it was not called because an earlier batch of this call timed out).
+        """
+        if self.timeout_s is None and concurrency == 1:  # no deadline, nothing to overlap: the caller's thread
+            return [_outcome(fn, job) for job in jobs]
+        results: list[Any] = [None] * len(jobs)
+        pending = deque(range(len(jobs)))
+        running: dict[Future, tuple[int, float]] = {}  # future -> (job index, start time)
+        hung_at: int | None = None
+        while pending or running:
+            while pending and hung_at is None and len(running) < concurrency:
+                k = pending.popleft()
+                done: Future = Future()
+                thread = threading.Thread(target=_run_one, args=(fn, jobs[k], done), name="omniflow-reward-batch", daemon=True)
+                running[done] = (k, time.monotonic())
+                thread.start()
+            if not running:
+                break
+            timeout = None
+            if self.timeout_s is not None:
+                timeout = max(0.0, min(start for _, start in running.values()) + self.timeout_s - time.monotonic())
+            finished, _ = wait(list(running), timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in finished:
+                k, _ = running.pop(future)
+                results[k] = future.exception() or future.result()
+            now = time.monotonic()
+            for future, (k, start) in list(running.items()):
+                if self.timeout_s is not None and now - start >= self.timeout_s:
+                    running.pop(future)
+                    self.abandoned += 1
+                    results[k] = RewardTimeout(f"timed out after {self.timeout_s:g} s (reward.timeout_s)")
+                    hung_at = k if hung_at is None else min(hung_at, k)
+        for k in pending:
+            results[k] = RewardTimeout(
+                f"not called: batch {hung_at} of this call timed out after {self.timeout_s:g} s (reward.timeout_s)"
+            )
+        return results
+
+
+def _outcome(fn: Callable[[Any], Any], job: Any) -> Any:
+    try:
+        return fn(job)
+    except Exception as exc:  # handed back as the job's outcome (a batch's error fails its samples)
+        return exc
+
+
+def _run_one(fn: Callable[[Any], Any], job: Any, done: Future) -> None:
+    try:
+        done.set_result(fn(job))
+    except BaseException as exc:
+        done.set_exception(exc)
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:

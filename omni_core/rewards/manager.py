@@ -5,7 +5,9 @@ three modes, first match wins:
 
 1. ``reward.reward_functions`` non-empty -> **weighted sum**. Each entry is a built-in name
    (``"jpeg_compressibility"``, weight 1.0) or a mapping ``{name: <built-in>, weight: w}`` or
-   ``{path: <file.py>, function: <fn, default compute_score>, name: <label>, weight: w}``.
+   ``{path: <file.py>, function: <fn, default compute_score>, name: <label>, weight: w}``, or a batched
+   term: a model reward ``{name: pickscore | clip_score | aesthetic, model_path, ...}`` (``model_rewards``)
+   or a reward server ``{server_url, ...}`` (``server_client``); the keys each kind takes: ``entries``.
    The score is ``sum_k w_k * s_k``; each term's raw score is kept in the extras under its label
    (and a term's own extras as ``<label>/<key>``). ``reward.aggregation`` must be ``weighted_sum``.
    verl-omni's mapping form ``{label: {path, name: <function>, weight}}`` is accepted too.
@@ -18,11 +20,14 @@ three modes, first match wins:
 
 A reward that raises, returns NaN / inf, or returns something that is not a number marks only that
 sample as failed (score NaN, ``failed`` True, reason ``"<label>: <ExcType>: <message>"``); it never
-becomes a silent 0 and never stops the rest of the batch. A call that takes longer than
-``reward.timeout_s`` fails its sample with ``"timed out after N s"`` (see ``deadline`` for what happens
-to the hung call) and the term's remaining samples of that batch fail without a call, so a hung reward
-costs one timeout per batch. The trainer decides what failed samples mean (``failures``: advantage 0
-below ``reward.max_failure_ratio``, a ``RewardFailureError`` above it).
+becomes a silent 0 and never stops the rest of the batch. A batched term that fails a sample with a
+reason (a reward server's per-image error) fails only that sample, ``"<label>: <reason>"``; a batch call
+that raises fails the samples of that batch. A call that takes longer than ``reward.timeout_s`` (one
+sample of a per-sample term, one batch of a batched term) fails its samples with ``"timed out after N s"``
+(see ``deadline`` for what happens to the hung call) and the term's remaining samples of that score call
+fail without a call, so a hung reward costs one timeout per batch. Terms run in order; a sample that
+failed one term is not handed to the next. The trainer decides what failed samples mean (``failures``:
+advantage 0 below ``reward.max_failure_ratio``, a ``RewardFailureError`` above it).
 """
 
 from __future__ import annotations
@@ -30,26 +35,31 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from torch import Tensor
 
-from omni_core.config.schema import reward_entries_from_verl_mapping
+from omni_core.config.schema import RewardFunctionSpec, reward_entries_from_verl_mapping
+from omni_core.config.unsupported import REWARD_MODEL_REASON
 from omni_core.rewards.custom import DEFAULT_FUNCTION_NAME, load_reward_function
 from omni_core.rewards.deadline import DeadlineRunner, RewardTimeout
+from omni_core.rewards.entries import entry_kind, given_entry_keys, refused_entry_keys
 from omni_core.rewards.failures import RewardFailureError
+from omni_core.rewards.names import MODEL_REWARD_NAMES
 from omni_core.rewards.registry import REWARD_FUNCTIONS, get_reward_function
+from omni_core.rewards.terms import BatchRewardTerm, RewardBatch, RewardTerm, SampleFailure
 
-__all__ = ["RewardFailureError", "RewardManager", "RewardResult", "RewardTerm"]
+__all__ = ["BatchRewardTerm", "RewardFailureError", "RewardManager", "RewardResult", "RewardTerm"]
 
 logger = logging.getLogger(__name__)
 
-ScoreFn = Callable[[str, Any, Any, dict[str, Any]], Any]
+Term = RewardTerm | BatchRewardTerm
 
 
 @dataclass
@@ -79,15 +89,6 @@ class RewardResult:
         )
 
 
-@dataclass(frozen=True)
-class RewardTerm:
-    """One weighted reward function with verl-omni's 4-argument signature."""
-
-    label: str
-    fn: ScoreFn
-    weight: float = 1.0
-
-
 def _get(obj: Any, key: str, default: Any = None) -> Any:
     if obj is None:
         return default
@@ -105,23 +106,35 @@ def _builtin_term(name: str, weight: float = 1.0, label: str | None = None) -> R
     return RewardTerm(label=label or name, fn=score, weight=weight)
 
 
-def _term_from_entry(entry: Any, position: int) -> RewardTerm:
-    if isinstance(entry, str):
-        return _builtin_term(entry)
+def _term_from_entry(entry: Any, position: int, device: str | None) -> Term:
     where = f"reward.reward_functions[{position}]"
-    if isinstance(entry, Mapping):
-        unknown = sorted(set(entry) - {"name", "path", "function", "weight"})
-        if unknown:
-            raise ValueError(f"{where} has unknown keys {unknown}; allowed: name, path, function, weight")
-    weight = float(_get(entry, "weight", 1.0))
-    path, name = _get(entry, "path"), _get(entry, "name")
-    if path:
-        function = _get(entry, "function") or DEFAULT_FUNCTION_NAME
-        fn = load_reward_function(path, function)
-        return RewardTerm(label=name or f"{Path(path).stem}.{function}", fn=fn, weight=weight)
-    if not name:
-        raise ValueError(f"{where} needs either 'name' (a built-in: {sorted(REWARD_FUNCTIONS)}) or 'path'")
-    return _builtin_term(name, weight)
+    given = given_entry_keys(entry)
+    refused = refused_entry_keys(given)
+    if refused:
+        details = "; ".join(f"{k}: {why}" for k, why in sorted(refused.items()))
+        raise ValueError(f"{where} has unknown keys {sorted(refused)} ({details})")
+    try:
+        spec = RewardFunctionSpec.model_validate(given)
+    except ValidationError as err:
+        raise ValueError(f"{where} is not a valid reward entry: {err}") from err
+    kind = entry_kind(given)
+    if kind in ("server", "verl_http"):
+        from omni_core.rewards.server_client import server_term  # httpx only where a server is used
+
+        return server_term(spec, verl_client=kind == "verl_http")
+    if kind == "model":
+        from omni_core.rewards.model_rewards import model_term  # transformers only where a model is used
+
+        return model_term(spec, device=device, where=where)
+    if kind == "file":
+        fn = load_reward_function(spec.path, spec.function)
+        return RewardTerm(label=spec.name or f"{Path(spec.path).stem}.{spec.function}", fn=fn, weight=spec.weight)
+    if not spec.name:
+        raise ValueError(
+            f"{where} needs 'name' (a built-in: {sorted(REWARD_FUNCTIONS)}; a model reward: {list(MODEL_REWARD_NAMES)} "
+            "with model_path), 'path' (a reward file) or 'server_url' (a reward server)"
+        )
+    return _builtin_term(spec.name, spec.weight)
 
 
 def _as_score(value: Any) -> tuple[float, dict[str, Any]]:
@@ -145,11 +158,16 @@ def _as_score(value: Any) -> tuple[float, dict[str, Any]]:
 class RewardManager:
     """Scores images with the reward selection described in this module's docstring."""
 
-    def __init__(self, reward_cfg: Any = None) -> None:
-        """Build from the ``reward`` config section; loading errors (bad file, name) raise here."""
+    def __init__(self, reward_cfg: Any = None, device: str | None = None) -> None:
+        """Build from the ``reward`` config section; loading errors (bad file, name, model folder) raise here.
+
+        ``device``: where model rewards run (``trainer.device``: auto, cuda, npu or cpu; None means auto).
+        """
         aggregation = _get(reward_cfg, "aggregation", "weighted_sum")
         if aggregation != "weighted_sum":
             raise ValueError(f"reward.aggregation={aggregation!r} is not supported; use 'weighted_sum'")
+        if _get(_get(reward_cfg, "reward_model"), "enable", False):
+            raise ValueError(f"reward.reward_model.enable=true is not supported: {REWARD_MODEL_REASON}")
         entries = _get(reward_cfg, "reward_functions") or []
         if isinstance(entries, Mapping):
             entries = reward_entries_from_verl_mapping(entries)
@@ -158,9 +176,9 @@ class RewardManager:
         custom = _get(reward_cfg, "custom_reward_function")
         path = _get(custom, "path")
         # An empty list means mode 3: dispatch on each sample's data_source.
-        self.terms: list[RewardTerm] = []
+        self.terms: list[Term] = []
         if entries:
-            self.terms = [_term_from_entry(entry, i) for i, entry in enumerate(entries)]
+            self.terms = [_term_from_entry(entry, i, device) for i, entry in enumerate(entries)]
         elif path:
             function = _get(custom, "name") or DEFAULT_FUNCTION_NAME
             fn = load_reward_function(path, function)
@@ -175,20 +193,26 @@ class RewardManager:
         data_sources: Sequence[str] | str,
         ground_truths: Sequence[Any] | None = None,
         extra_infos: Sequence[dict[str, Any] | None] | None = None,
+        prompts: Sequence[str | None] | None = None,
     ) -> RewardResult:
-        """Score ``B`` images (uint8 ``[B, 3, H, W]`` tensor, or a list of per-sample images)."""
+        """Score ``B`` images (uint8 ``[B, 3, H, W]`` tensor, or a list of per-sample images).
+
+        ``prompts``: the text each image was generated from (model rewards that compare image and text, and reward
+        servers, need it; None gives each sample ``None``).
+        """
         if isinstance(images, Tensor):
             images = list(images.detach().cpu().unbind(0))
         n = len(images)
         sources = [data_sources] * n if isinstance(data_sources, str) else list(data_sources)
         truths = list(ground_truths) if ground_truths is not None else [None] * n
         infos = [dict(x or {}) for x in extra_infos] if extra_infos is not None else [{} for _ in range(n)]
-        if not len(sources) == len(truths) == len(infos) == n:
+        texts = list(prompts) if prompts is not None else [None] * n
+        if not len(sources) == len(truths) == len(infos) == len(texts) == n:
             raise ValueError(
                 f"got {n} images, {len(sources)} data_sources, {len(truths)} ground_truths, "
-                f"{len(infos)} extra_infos; they must match"
+                f"{len(infos)} extra_infos, {len(texts)} prompts; they must match"
             )
-        by_source: dict[str, list[RewardTerm]] = {}
+        per_sample: list[list[Term]] = [self.terms] * n
         if not self.terms:
             unknown = sorted(set(sources) - set(REWARD_FUNCTIONS))
             if unknown:
@@ -197,35 +221,84 @@ class RewardManager:
                     f"{sorted(REWARD_FUNCTIONS)}. Set reward.custom_reward_function.path or "
                     "reward.reward_functions to score other data sources"
                 )
-            by_source = {src: [_builtin_term(src)] for src in set(sources)}
+            by_source = {src: _builtin_term(src) for src in dict.fromkeys(sources)}
+            per_sample = [[by_source[src]] for src in sources]
 
-        scores = torch.full((n,), float("nan"), dtype=torch.float32)
+        batch = RewardBatch(images=images, prompts=texts, data_sources=sources, ground_truths=truths, extra_infos=infos)
+        totals = [0.0] * n
         failed = torch.zeros(n, dtype=torch.bool)
         extras: list[dict[str, Any]] = [{} for _ in range(n)]
         reasons: list[str | None] = [None] * n
-        hung: dict[str, str] = {}  # label -> why its remaining samples of this batch are not called
-        for i in range(n):
-            terms = self.terms or by_source[sources[i]]
-            total = 0.0
-            for term in terms:
-                try:
-                    if term.label in hung:
-                        raise RewardTimeout(hung[term.label])
-                    value = self._runner.call(term.fn, sources[i], images[i], truths[i], infos[i])
-                    s, term_extras = _as_score(value)
-                except Exception as err:  # a failing reward fails its sample, not the batch
-                    if isinstance(err, RewardTimeout) and term.label not in hung:
-                        hung[term.label] = f"not called: it {err} on sample {i} of this batch"
-                    reasons[i] = f"{term.label}: {type(err).__name__}: {err}"
+        # Term by term (in order; a sample that failed a term is not handed to the next one).
+        for term in list({id(t): t for terms in per_sample for t in terms}.values()):
+            indices = [i for i in range(n) if not failed[i] and any(t is term for t in per_sample[i])]
+            if isinstance(term, BatchRewardTerm):
+                outcomes = self._run_batched(term, indices, batch)
+            else:
+                outcomes = self._run_per_sample(term, indices, batch)
+            for i, outcome in outcomes.items():
+                if isinstance(outcome, str):  # why the sample failed
+                    reasons[i] = outcome
                     failed[i] = True
-                    logger.warning("reward failed for sample %d: %s", i, reasons[i])
-                    break
-                total += term.weight * s
+                    logger.warning("reward failed for sample %d: %s", i, outcome)
+                    continue
+                s, term_extras = outcome
+                totals[i] += term.weight * s
                 if self._weighted:
                     extras[i][term.label] = s
                     extras[i].update({f"{term.label}/{k}": v for k, v in term_extras.items()})
                 else:
                     extras[i].update(term_extras)
-            if not failed[i]:
-                scores[i] = total
+        scores = torch.tensor(totals, dtype=torch.float32)
+        scores[failed] = float("nan")
         return RewardResult(scores=scores, extras=extras, failed=failed, reasons=reasons)
+
+    def _run_per_sample(self, term: RewardTerm, indices: list[int], batch: RewardBatch) -> dict[int, Any]:
+        """Sample by sample: ``{i: (score, extras) | reason}``; after a timeout the term's later samples are not called."""
+        outcomes: dict[int, Any] = {}
+        hung: str | None = None
+        for i in indices:
+            try:
+                if hung is not None:
+                    raise RewardTimeout(hung)
+                value = self._runner.call(
+                    term.fn, batch.data_sources[i], batch.images[i], batch.ground_truths[i], batch.extra_infos[i]
+                )
+                outcomes[i] = _as_score(value)
+            except Exception as err:  # a failing reward fails its sample, not the batch
+                if isinstance(err, RewardTimeout) and hung is None:
+                    hung = f"not called: it {err} on sample {i} of this batch"
+                outcomes[i] = f"{term.label}: {type(err).__name__}: {err}"
+        return outcomes
+
+    def _run_batched(self, term: BatchRewardTerm, indices: list[int], batch: RewardBatch) -> dict[int, Any]:
+        """Batches of ``term.batch_size``, ``term.max_concurrency`` at once: ``{i: (score, extras) | reason}``."""
+        chunks = [indices[k : k + term.batch_size] for k in range(0, len(indices), term.batch_size)]
+        jobs = [
+            RewardBatch(
+                images=[batch.images[i] for i in chunk],
+                prompts=[batch.prompts[i] for i in chunk],
+                data_sources=[batch.data_sources[i] for i in chunk],
+                ground_truths=[batch.ground_truths[i] for i in chunk],
+                extra_infos=[batch.extra_infos[i] for i in chunk],
+            )
+            for chunk in chunks
+        ]
+        outcomes: dict[int, Any] = {}
+        for chunk, result in zip(chunks, self._runner.call_batches(term.fn, jobs, term.max_concurrency), strict=True):
+            if isinstance(result, BaseException):  # the whole batch call failed: each of its samples, with the reason
+                outcomes.update({i: f"{term.label}: {type(result).__name__}: {result}" for i in chunk})
+                continue
+            if not isinstance(result, Sequence) or len(result) != len(chunk):
+                got = len(result) if isinstance(result, Sequence) else type(result).__name__
+                outcomes.update({i: f"{term.label}: returned {got} outcomes for a batch of {len(chunk)}" for i in chunk})
+                continue
+            for i, value in zip(chunk, result, strict=True):
+                if isinstance(value, SampleFailure):
+                    outcomes[i] = f"{term.label}: {value}"
+                    continue
+                try:
+                    outcomes[i] = _as_score(value)
+                except Exception as err:
+                    outcomes[i] = f"{term.label}: {type(err).__name__}: {err}"
+        return outcomes

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_core.rewards.builtin import jpeg_compressibility, jpeg_incompressibility
+from omni_core.rewards.names import MODEL_REWARD_NAMES
 
 __all__ = ["REWARD_FUNCTIONS", "default_compute_score", "get_reward_function"]
 
@@ -27,8 +28,9 @@ def get_reward_function(name: str) -> Callable[[Any], float]:
         return REWARD_FUNCTIONS[name]
     except KeyError:
         raise ValueError(
-            f"unknown reward {name!r}; built-in rewards are {sorted(REWARD_FUNCTIONS)} "
-            "(or point reward.custom_reward_function.path at your own compute_score)"
+            f"unknown reward {name!r}; built-in rewards are {sorted(REWARD_FUNCTIONS)}, model rewards "
+            f"{list(MODEL_REWARD_NAMES)} (with model_path); or give a reward server (server_url) or your own "
+            "compute_score file (path, or reward.custom_reward_function.path)"
         ) from None
 
 

@@ -30,6 +30,8 @@ class RolloutRequest:
     separate_async: ``weights`` (a Ray ObjectRef of the transformer's trainable state) and ``weights_version``
     are the weights the worker must sample with; it loads them before the request when its own differ, so a
     worker switches version between requests, never inside one. None: the worker's current weights (sync).
+    ``weights_ema``: those weights are the moving average of version ``weights_version`` (``actor.ema``, for
+    validation); a training rank that samples itself (the hybrid engine) loads its own average, with no ``weights``.
     """
 
     partition: str
@@ -38,6 +40,7 @@ class RolloutRequest:
     items: tuple[RolloutItem, ...]
     weights_version: int | None = None
     weights: Any = None
+    weights_ema: bool = False
 
     @classmethod
     def of_records(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -43,11 +44,13 @@ def _generators(seeds: Sequence[int]) -> list[torch.Generator]:
     return [torch.Generator("cpu").manual_seed(s) for s in seeds]
 
 
-def _use_cfg(policy: FlowPolicy, guidance_scale: float, negative_prompts) -> bool:
-    # A guidance-distilled transformer (FLUX.1-dev) takes guidance_scale in its embedding; true CFG then
-    # runs only when negative prompts are given, as in FluxPipeline's ``true_cfg_scale``.
-    distilled = bool(getattr(policy.base_transformer.config, "guidance_embeds", False))
-    return guidance_scale > 1.0 and (negative_prompts is not None or not distilled)
+def _use_cfg(policy: FlowPolicy, guidance_scale: float, true_cfg_scale: float, negative_prompts) -> bool:
+    # The architecture says which scale is CFG (SD3: guidance_scale; FLUX, Qwen-Image: true_cfg_scale, while
+    # FLUX.1-dev's guidance_scale feeds only its guidance embedding) and whether CFG needs negative prompts
+    # (FluxPipeline / QwenImagePipeline run true CFG only with one; SD3 encodes "" itself).
+    arch = policy.arch
+    cfg = arch.cfg_scale(guidance_scale, true_cfg_scale) > 1.0
+    return cfg and (negative_prompts is not None or not arch.needs_negative_prompt)
 
 
 @torch.no_grad()
@@ -64,6 +67,7 @@ def generate(
     width: int,
     num_inference_steps: int,
     guidance_scale: float = 1.0,
+    true_cfg_scale: float = 1.0,
     noise_level: float = 0.7,
     sde_type: str = "sde",
     sde_window_size: int | None = None,
@@ -96,7 +100,7 @@ def generate(
     batch = len(seeds)
 
     # 3. Encode the prompts (and negative prompts with CFG), one row per sample
-    do_cfg = _use_cfg(policy, guidance_scale, negative_prompts)
+    do_cfg = _use_cfg(policy, guidance_scale, true_cfg_scale, negative_prompts)
     negs = list(negative_prompts) if negative_prompts is not None else None
     cond = policy.encode_prompts(prompts, negs, max_sequence_length, do_cfg)
     cond = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
@@ -124,7 +128,9 @@ def generate(
         rec_latents[first, 0] = latents[first]
         rec_sigmas[first, 0] = sigma
 
-        v = policy.velocity(latents, timesteps[i].expand(batch), cond, guidance_scale, height=height, width=width)
+        v = policy.velocity(
+            latents, timesteps[i].expand(batch), cond, guidance_scale, height=height, width=width, true_cfg_scale=true_cfg_scale
+        )
         # Every sample draws its step noise (used or not) so its random stream is independent of its window.
         sde_next, log_prob, _, _ = sde_step_from_sigmas(
             v,
@@ -197,6 +203,15 @@ def generate_groups(
     return groups[0] if len(groups) == 1 else Trajectory.cat(groups)
 
 
+class TransitionScore(NamedTuple):
+    """One window step re-scored by ``score_transitions`` (the velocity is kept for a KL on the velocity)."""
+
+    log_prob: torch.Tensor
+    prev_sample_mean: torch.Tensor
+    std_dev_t: torch.Tensor
+    velocity: torch.Tensor
+
+
 def score_transitions(
     policy: FlowPolicy,
     traj: Trajectory,
@@ -206,12 +221,15 @@ def score_transitions(
     noise_level: float,
     sde_type: str = "sde",
     use_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    detach_uncond: bool = False,
+    true_cfg_scale: float = 1.0,
+) -> TransitionScore:
     """Re-score window step ``step`` of every sample under the current (or reference) policy.
 
-    Returns ``(log_prob [B], prev_sample_mean [B, *S], std_dev_t [B, 1, ...])``; gradients flow through
-    the policy's velocity unless ``use_reference``. With unchanged weights and the same batch, the
-    log-prob equals the rollout's bit for bit (ratio exactly 1 in fp32).
+    Returns ``(log_prob [B], prev_sample_mean [B, *S], std_dev_t [B, 1, ...], velocity [B, *S])``; gradients
+    flow through the policy's velocity unless ``use_reference`` (``detach_uncond``: not through CFG's
+    unconditional branch). With unchanged weights and the same batch, the log-prob equals the rollout's bit
+    for bit (ratio exactly 1 in fp32).
     """
     device = policy.device
     height, width = traj.images.shape[-2:]
@@ -223,6 +241,8 @@ def score_transitions(
         use_reference=use_reference,
         height=height,
         width=width,
+        detach_uncond=detach_uncond,
+        true_cfg_scale=true_cfg_scale,
     )
     _, log_prob, mean, std = sde_step_from_sigmas(
         v,
@@ -234,4 +254,4 @@ def score_transitions(
         prev_sample=traj.latents[:, step + 1].to(device),
         sde_type=sde_type,
     )
-    return log_prob, mean, std
+    return TransitionScore(log_prob, mean, std, v)

@@ -24,7 +24,10 @@ class SamplingParams:
         seed: base seed of every per-sample seed (``derive_sample_seed``).
         height, width: image size in pixels.
         num_inference_steps: denoising steps.
-        guidance_scale: CFG scale; above 1.0 the prompts' negative prompts are used.
+        guidance_scale: the pipeline's ``guidance_scale``: SD3's CFG scale; FLUX.1-dev's guidance embedding.
+        true_cfg_scale: the pipeline's ``true_cfg_scale``: FLUX's and Qwen-Image's CFG scale (SD3: always 1.0).
+            Which of the two is CFG is the architecture's (``ArchAdapter.cfg_scale``); above 1.0 the prompts'
+            negative prompts are used.
         noise_level: SDE noise (0 = the deterministic Euler ODE step everywhere).
         sde_type: ``sde`` (Flow-GRPO) or ``cps``.
         sde_window_size, sde_window_range: the SDE window (see ``omni_core.sde.sample_sde_windows``).
@@ -43,6 +46,7 @@ class SamplingParams:
     width: int
     num_inference_steps: int
     guidance_scale: float = 1.0
+    true_cfg_scale: float = 1.0
     noise_level: float = 0.7
     sde_type: str = "sde"
     sde_window_size: int | None = None
@@ -62,6 +66,7 @@ class SamplingParams:
             width=rollout.pipeline.width,
             num_inference_steps=rollout.pipeline.num_inference_steps,
             guidance_scale=rollout.pipeline.guidance_scale,
+            true_cfg_scale=rollout.pipeline.true_cfg_scale,
             noise_level=rollout.algo.noise_level,
             sde_type=rollout.algo.sde_type,
             sde_window_size=rollout.algo.sde_window_size,
@@ -92,8 +97,9 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def negative_prompts(self, negative_prompts: Sequence[str | None]) -> list[str] | None:
-        """The negative prompts to sample with: only with CFG (``guidance_scale > 1``); a missing one is ``""``."""
-        return [p or "" for p in negative_prompts] if self.guidance_scale > 1.0 else None
+        """The negative prompts to sample with: only when a guidance scale is above 1 (the sampler uses them when
+        the architecture's CFG scale is); a missing one is ``""``."""
+        return [p or "" for p in negative_prompts] if max(self.guidance_scale, self.true_cfg_scale) > 1.0 else None
 
     def generate_kwargs(self, global_step: int) -> dict[str, Any]:
         """``generate``'s keyword arguments for a request made at ``global_step``."""

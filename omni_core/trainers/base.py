@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -54,7 +55,7 @@ from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
-from omni_core.tracking import Timer, Tracking, WandbRun, data_metrics, timing_metrics, wandb_run_id
+from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
 from omni_core.training_ranks import TrainingRanks
 from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.worker_pool import actor_options, create_pool, remove_pool
@@ -342,7 +343,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.total_training_steps,
             console_sink=self._log if self.log_callback is not None else None,
             resume_step=self.global_step,  # a retried epoch replaces the records its failed try wrote
-            wandb_run=self._wandb_run() if "wandb" in self.config.trainer.logger else None,
+            run=self._tracker_run() if {"wandb", "mlflow"} & set(self.config.trainer.logger) else None,
         )
         try:
             if self.config.trainer.val_only:
@@ -366,6 +367,10 @@ class PolicyGradientDiffusionTrainerV1:
             result.checkpoint = self._save_checkpoint()
             if self.global_step >= self.total_training_steps:
                 self.on_train_end()
+                self.tracking.log_model(result.checkpoint, self.global_step)  # mlflow: the final model as an artifact
+        except BaseException:
+            self.tracking.close(failed=True)  # wandb exit code 1, mlflow status FAILED
+            raise
         finally:
             self.tracking.close()
             result.global_step = self.global_step
@@ -539,7 +544,13 @@ class PolicyGradientDiffusionTrainerV1:
             self.run.val_partition, self.global_step, params, self.val_records, uid_prefix=f"val-{self.global_step:06d}"
         )
         request = self._with_validation_weights(request)
-        batch = self._rollout(request, self.config.data.val_batch_size)
+        if self.config.actor_rollout_ref.actor.ema.enable:  # sample with the moving average of the weights
+            request = self._with_ema_weights(request)
+        try:
+            batch = self._rollout(request, self.config.data.val_batch_size)
+        finally:
+            if request.weights_ema:
+                self._after_ema_validation()
         rows = tqc.get_trajectories(
             self.run.val_partition,
             batch.trajectory_keys,
@@ -560,6 +571,18 @@ class PolicyGradientDiffusionTrainerV1:
     def _with_validation_weights(self, request: RolloutRequest) -> RolloutRequest:
         """sync: the workers hold the current weights already."""
         return request
+
+    def _with_ema_weights(self, request: RolloutRequest) -> RolloutRequest:
+        """`actor.ema`: the request samples with the average of this step's weights (the hybrid engine's ranks load
+        their own; separate workers fetch it from rank 0)."""
+        assert self.ranks is not None and self.agent_loop is not None
+        weights = None if self.agent_loop.colocated else self.ranks.ema_weights_ref()
+        return replace(request, weights=weights, weights_version=self.global_step, weights_ema=True)
+
+    def _after_ema_validation(self) -> None:
+        """sync: separate workers sample the next step with the weights they are sent, so send the trained ones back
+        (the hybrid engine's ranks put theirs back themselves)."""
+        self._push_weights()
 
     def _save_val_grid(self, rows: dict[str, Any], n: int, metrics: dict[str, float]) -> None:
         """`<checkpoint_dir>/validation/global_step_<N>.png`, next to the checkpoint of that step."""
@@ -584,11 +607,11 @@ class PolicyGradientDiffusionTrainerV1:
         weights = self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S)
         self.agent_loop.update_weights(weights, self.global_step)
 
-    def _wandb_run(self) -> WandbRun:
-        """The `wandb` backend's run: one per checkpoint folder, so epochs, retries and resumes continue it."""
+    def _tracker_run(self) -> TrackerRun:
+        """The `wandb` / `mlflow` backends' run: one per checkpoint folder, so epochs, retries and resumes continue it."""
         t = self.config.trainer
-        run_id = wandb_run_id(t.project_name, t.experiment_name, t.checkpoint_dir)
-        return WandbRun(t.project_name, t.experiment_name, run_id, self.config.model_dump(mode="json"))
+        run_id = tracker_run_id(t.project_name, t.experiment_name, t.checkpoint_dir)
+        return TrackerRun(t.project_name, t.experiment_name, run_id, self.config.model_dump(mode="json"), t.checkpoint_dir)
 
     # ------------------------------------------------------------------------ logs
     def _log(self, message: str, level: int = logging.INFO) -> None:

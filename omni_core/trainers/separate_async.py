@@ -81,6 +81,9 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
         assert self.ranks is not None
         return replace(request, weights=self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S), weights_version=self.global_step)
 
+    def _after_ema_validation(self) -> None:
+        """Nothing to undo: every training request names the weights it samples with (the workers swap back)."""
+
     # -------------------------------------------------------------------- feeding
     def _feed(self, step: int, uid_prefix: str) -> None:
         """Put one prompt batch for `step` (pending, tagged with the weights it will be sampled with) and deal it

@@ -11,6 +11,7 @@ The rules live in one module per group, found by name:
   refused         keys at their only implemented value (REFUSED_WHEN_NOT_DEFAULT), with the reason
   batch_sizes     data.train_batch_size, mini / micro / generation batches, samples per prompt
   rollout         the SDE window inside the denoising steps, rollout log-probs for bypass mode
+  guidance        guidance_scale / true_cfg_scale as the model's architecture defines them
   algorithm       advantage estimator, loss mode, LoRA keys
   precision       actor.fsdp_config.model_dtype below fp32 only under LoRA
   trainer_modes   registered modes, separate_async's requirements
@@ -36,6 +37,7 @@ from omni_core.validation.attention import attention_problems, validate_attentio
 from omni_core.validation.batch_sizes import batch_size_problems
 from omni_core.validation.data_files import data_file_problems
 from omni_core.validation.devices import device_problems
+from omni_core.validation.guidance import guidance_problems
 from omni_core.validation.paths import path_problems
 from omni_core.validation.precision import precision_problems
 from omni_core.validation.refused import refused_value_problems
@@ -65,6 +67,7 @@ def config_problems(
         *trainer_mode_problems(config),
         *batch_size_problems(config),
         *rollout_problems(config),
+        *guidance_problems(config),
         *algorithm_problems(config),
         *precision_problems(config),
         *device_problems(config, device_counts),

@@ -33,6 +33,25 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 config.algorithm.adv_estimator,
             )
         )
+    if actor.kl_loss_type != "transition_mean" and not actor.use_kl_loss:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.kl_loss_type",
+                "chooses what the KL penalty compares, but the penalty is off; set actor_rollout_ref.actor.use_kl_loss=true "
+                "(with kl_loss_coef > 0), or drop the key",
+                actor.kl_loss_type,
+            )
+        )
+    pipeline = config.actor_rollout_ref.rollout.pipeline
+    if actor.detach_uncond_cfg and pipeline.guidance_scale <= 1.0 and pipeline.true_cfg_scale <= 1.0:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.detach_uncond_cfg",
+                "detaches the unconditional branch of classifier-free guidance, but this run has no CFG "
+                "(rollout.pipeline.guidance_scale and true_cfg_scale are 1.0); set the guidance scale above 1, or drop the key",
+                True,
+            )
+        )
     if model.lora_rank < 0:
         p.append(ConfigProblem("actor_rollout_ref.model.lora_rank", "must be >= 0 (0 = full fine-tuning)", model.lora_rank))
     elif model.lora_rank > 0 and model.lora_alpha <= 0:

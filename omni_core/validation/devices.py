@@ -156,6 +156,15 @@ def fsdp2_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 list(actor.checkpoint.save_contents),
             )
         )
+    if actor.ema.enable:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.ema.enable",
+                "the moving average of FSDP2 shards is not implemented (each rank would average its own shards and "
+                "validation would need them gathered); use strategy=ddp or torch with the EMA, or turn it off",
+                True,
+            )
+        )
     return p
 
 

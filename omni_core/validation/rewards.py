@@ -1,4 +1,4 @@
-"""Rewards: built-in names that exist and reward files that exist, and no reward key left unused.
+"""Rewards: reward files that exist and parse, the other entries (`reward_terms`), and no reward key left unused.
 
 A reward file is Python that the run imports and executes. A run started through a deployment (the Prefect
 UI, the API, a schedule) takes its parameters from whoever can reach that API, so such a run accepts reward
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.rewards.custom import RewardLoadError, check_reward_source
-from omni_core.rewards.names import BUILTIN_REWARD_NAMES
+from omni_core.rewards.entries import entry_kind, given_entry_keys
+from omni_core.validation.reward_terms import entry_problems, reward_model_problems
 
 ALLOWED_REWARD_DIRS_ENV = "OMNIFLOW_ALLOWED_REWARD_DIRS"
 EXAMPLE_REWARDS_DIR = Path(__file__).resolve().parents[2] / "examples" / "rewards"
@@ -78,22 +79,13 @@ def reward_problems(config: OmniFlowConfig, allowed_reward_dirs: Sequence[str | 
         p.extend(_source_problems("reward.custom_reward_function.path", custom, reward.custom_reward_function.name))
     for i, spec in enumerate(reward.reward_functions):
         key = f"reward.reward_functions[{i}]"
-        if spec.path:
+        if spec.path and entry_kind(given_entry_keys(spec)) == "file":
             if not Path(spec.path).expanduser().is_file():
                 p.append(ConfigProblem(f"{key}.path", "no such file; point it at a Python file", spec.path))
             elif allowed_reward_dirs is not None and _outside(spec.path, allowed_reward_dirs):
                 p.append(_not_allowed(f"{key}.path", spec.path, allowed_reward_dirs))
             else:
                 p.extend(_source_problems(f"{key}.path", spec.path, spec.function))
-        elif not spec.name:
-            p.append(ConfigProblem(key, f"needs a built-in name ({', '.join(BUILTIN_REWARD_NAMES)}) or a path", None))
-        elif spec.name not in BUILTIN_REWARD_NAMES:
-            p.append(
-                ConfigProblem(
-                    f"{key}.name",
-                    f"no built-in reward of that name; built-ins: {', '.join(BUILTIN_REWARD_NAMES)} "
-                    f"(or give a path to your own compute_score file)",
-                    spec.name,
-                )
-            )
+        p.extend(entry_problems(key, spec))  # keys of its kind; built-in names, model folders, server URLs
+    p.extend(reward_model_problems(config))
     return p

@@ -37,7 +37,7 @@ def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                     list(window_range),
                 )
             )
-    # pipeline.true_cfg_scale != 1.0 is refused by the `refused` group (REFUSED_WHEN_NOT_DEFAULT).
+    # pipeline.guidance_scale / true_cfg_scale per architecture: the `guidance` group.
     if config.algorithm.rollout_correction.bypass_mode and not rollout.calculate_log_probs:
         p.append(
             ConfigProblem(

@@ -91,8 +91,9 @@ class RolloutWorker:
             if self.config.actor_rollout_ref.rollout.use_torch_compile:
                 policy.enable_torch_compile()
         self.policy = policy
-        self.rewards = RewardManager(self.config.reward)
+        self.rewards = RewardManager(self.config.reward, device=self.config.trainer.device)  # model rewards: the run's device
         self.version = 0
+        self.holds_ema = False  # the weights are the moving average of `version` (a validation request's)
         # The TransferQueue is joined at the first request (the flow starts the workers while it starts the queue).
         self._joined_queue = False
 
@@ -119,10 +120,11 @@ class RolloutWorker:
         """This process's torch.compile counters (`rollout.use_torch_compile`): frames compiled, graphs, graph breaks."""
         return self.policy.torch_compile_stats()
 
-    def set_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        """Follow the trained policy (sync mode: after every step)."""
+    def set_weights(self, weights: dict[str, torch.Tensor], version: int, ema: bool = False) -> int:
+        """Follow the trained policy (sync mode: after every step); `ema`: the weights are the moving average of
+        `version` (validation with `actor.ema`), which the next request with the trained weights replaces."""
         self.policy.load_trainable_state(weights)
-        self.version = version
+        self.version, self.holds_ema = version, ema
         return version
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
@@ -130,11 +132,13 @@ class RolloutWorker:
         start = time.perf_counter()
         partition, params, items = request.partition, request.params, request.items
         uids = request.uids
-        if request.weights_version is not None and request.weights_version != self.version:
-            # separate_async: the request names the weights it is sampled with (a ref fetched once per version).
+        named = (request.weights_version, request.weights_ema)
+        if request.weights_version is not None and named != (self.version, self.holds_ema):
+            # separate_async, and validation with actor.ema: the request names the weights it is sampled with (a
+            # ref fetched once per version).
             import ray
 
-            self.set_weights(ray.get(request.weights), request.weights_version)
+            self.set_weights(ray.get(request.weights), request.weights_version, request.weights_ema)
         if not self._joined_queue:
             self.attach_transfer_queue()
         tqc.set_prompt_status(partition, uids, tqc.RUNNING)
@@ -162,6 +166,7 @@ class RolloutWorker:
                 [r.data_source for r in per_sample],
                 [r.ground_truth for r in per_sample],
                 [r.extra_info for r in per_sample],
+                prompts=[r.prompt for r in per_sample],
             )
         except Exception as exc:  # e.g. a data_source without a reward: every sample failed, with the reason
             # The rows are still written (marked failed), so the trainer applies reward.max_failure_ratio to them

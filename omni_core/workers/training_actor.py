@@ -25,16 +25,20 @@ where a reduced-precision rollout shows its drift.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from omni_core.algorithms.ema import WeightsEMA
 from omni_core.algorithms.update import (
     NonFiniteTrainingError,
     PPOUpdateConfig,
@@ -47,15 +51,16 @@ from omni_core.algorithms.update import (
 )
 from omni_core.checkpoint.compat import export_only_message
 from omni_core.checkpoint.files import read_tensors, read_torch_state, write_tensors, write_torch_state
-from omni_core.checkpoint.layout import CheckpointError
+from omni_core.checkpoint.layout import EMA_NAME, CheckpointError
 from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.device import PROCESS_GROUP_BACKENDS
 from omni_core.faults import is_peer_rank_lost
+from omni_core.models import lora
 from omni_core.models.placement import module_placement, rollout_shares_trained_weights, training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.request import RolloutRequest
-from omni_core.rollout.sampler import score_transitions
+from omni_core.rollout.sampler import TransitionScore, score_transitions
 from omni_core.rollout.trajectory import Trajectory
 from omni_core.workers import fsdp2
 from omni_core.workers.rollout_worker import RolloutResult, RolloutWorker
@@ -140,6 +145,14 @@ class TrainingActor:
         fp16 = self.policy.compute_dtype == torch.float16 or self.policy.dtype == torch.float16
         self.grad_scaler = torch.amp.GradScaler(self.policy.device.type) if fp16 else None
         self.version = 0  # the global step whose update produced the current weights
+        ema = arr.actor.ema  # the moving average of the trained weights (validation and export use it)
+        self.ema = WeightsEMA(self._trainable_state(), ema.decay, ema.start_step, ema.update_interval) if ema.enable else None
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable state's live tensors (no copy), keyed as `state_dict_for_checkpoint`."""
+        if self.policy.is_lora:
+            return lora.lora_state(self.policy.transformer)
+        return self.policy.base_transformer.state_dict()
 
     # ------------------------------------------------------------------------------- hybrid engine
     def generate(self, request: RolloutRequest) -> RolloutResult:
@@ -148,16 +161,35 @@ class TrainingActor:
         `RolloutWorker.generate`."""
         if self.rollout_threads is None:
             raise RuntimeError("this training rank was started without a colocated rollout (actor_rollout_ref.hybrid_engine)")
-        worker = self._colocated_rollout()
-        transformer = self.policy.transformer
-        was_training = transformer.training
-        transformer.eval()
-        torch.set_num_threads(self.rollout_threads)
+        with self._ema_weights_loaded(request.weights_ema):
+            worker = self._colocated_rollout()
+            transformer = self.policy.transformer
+            was_training = transformer.training
+            transformer.eval()
+            torch.set_num_threads(self.rollout_threads)
+            try:
+                return worker.generate(replace(request, weights=None, weights_version=None, weights_ema=False))
+            finally:
+                torch.set_num_threads(self.num_threads)
+                transformer.train(was_training)
+
+    @contextlib.contextmanager
+    def _ema_weights_loaded(self, use_ema: bool) -> Iterator[None]:
+        """Within (when `use_ema`): the policy holds the EMA weights (flow_grpo's copy_ema_to / copy_temp_to); the
+        trained weights are put back on exit, and the colocated rollout copy refreshes either way."""
+        if not use_ema:
+            yield
+            return
+        if self.ema is None:
+            raise RuntimeError("a request asked for the EMA weights but actor_rollout_ref.actor.ema.enable is false")
+        trained = self.policy.state_dict_for_checkpoint()
+        self.policy.load_trainable_state(self.ema.average)
+        self._rollout_version = None
         try:
-            return worker.generate(request)
+            yield
         finally:
-            torch.set_num_threads(self.num_threads)
-            transformer.train(was_training)
+            self.policy.load_trainable_state(trained)
+            self._rollout_version = None
 
     def _colocated_rollout(self) -> RolloutWorker:
         """The rollout worker over the current weights: a view of the trained modules where that gives the same
@@ -284,6 +316,12 @@ class TrainingActor:
             return fsdp2.full_trainable_state(self.policy, self.rank)
         return self.policy.state_dict_for_checkpoint()
 
+    def get_ema_weights(self) -> dict[str, torch.Tensor]:
+        """The moving average of the weights (`actor.ema`), keyed as `get_weights`: what validation samples with."""
+        if self.ema is None:
+            raise RuntimeError("actor_rollout_ref.actor.ema.enable is false: there are no EMA weights")
+        return self.ema.state_dict()
+
     def reset(self, checkpoint: str | None) -> int:
         """Restart from `checkpoint` (a global_step_N folder), or from the base model when None.
 
@@ -309,6 +347,14 @@ class TrainingActor:
         if self.grad_scaler is not None and (actor / "grad_scaler.pt").is_file():
             self.grad_scaler.load_state_dict(read_torch_state(actor, "grad_scaler"))
         self.version = int(read_torch_state(actor, "version")["version"])
+        if self.ema is not None:
+            if (actor / f"{EMA_NAME}.safetensors").is_file():
+                self.ema.load_state_dict(read_tensors(actor, EMA_NAME))
+            else:  # a checkpoint of a run without EMA: the average starts at its weights
+                self.ema = WeightsEMA(self._trainable_state(), self.ema.decay, self.ema.start_step, self.ema.update_interval)
+                logger.warning(
+                    "%s has no EMA weights (%s.safetensors): the average starts at its trained weights", checkpoint, EMA_NAME
+                )
         return self.version
 
     def _apply_optim_config(self) -> None:
@@ -329,6 +375,8 @@ class TrainingActor:
         """About what `save` writes: the trainable state twice (safetensors + the diffusers copy) plus the
         optimizer state when saved (tensor bytes; headers and small files are in the writer's margin)."""
         model = sum(t.numel() * t.element_size() for t in self.policy.state_dict_for_checkpoint().values())
+        if self.ema is not None:  # ema.safetensors (fp32); the diffusers copy holds the average instead of the weights
+            model += sum(t.numel() * t.element_size() for t in self.ema.average.values()) // 2
         if "optimizer" not in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             return 2 * model
         optim = sum(
@@ -357,8 +405,14 @@ class TrainingActor:
                 if self.grad_scaler is not None:
                     written.append(write_torch_state(actor, "grad_scaler", self.grad_scaler.state_dict()))
             written.append(write_torch_state(actor, "version", {"version": self.version}))
-            # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained.
-            self.policy.save_pretrained(actor / "hf")
+            # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained: the EMA
+            # weights when they are kept (what validation samples with and export ships), else the trained weights.
+            if self.ema is not None:
+                ema_state = self.ema.state_dict()
+                written.append(write_tensors(actor, EMA_NAME, ema_state))
+                self.policy.save_pretrained(actor / "hf", state=ema_state)
+            else:
+                self.policy.save_pretrained(actor / "hf")
         return [str(p) for p in written]
 
     def _save_sharded(self, actor: Path) -> list[str]:
@@ -388,20 +442,23 @@ class TrainingActor:
             shuffle=actor.shuffle,
             seed=actor.data_loader_seed + global_step,
             loss_mode=actor.diffusion_loss.loss_mode,
+            kl_type=actor.kl_loss_type,
             dp_rank=self.rank,
             dp_size=self.world_size,
         )
 
-    def _score(self, traj: Trajectory, j: int, use_reference: bool = False):
+    def _score(self, traj: Trajectory, j: int, use_reference: bool = False) -> TransitionScore:
         rollout = self.config.actor_rollout_ref.rollout
         return score_transitions(
             self.policy,
             traj,
             j,
             guidance_scale=rollout.pipeline.guidance_scale,
+            true_cfg_scale=rollout.pipeline.true_cfg_scale,
             noise_level=rollout.algo.noise_level,
             sde_type=rollout.algo.sde_type,
             use_reference=use_reference,
+            detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
         )
 
     @torch.no_grad()
@@ -425,16 +482,19 @@ class TrainingActor:
         return out
 
     @torch.no_grad()
-    def _reference_means(self, traj: Trajectory) -> torch.Tensor:
-        """The reference policy's transition means `[B, W, *latent]` (for the KL term), in micro-batches of
-        `ref.log_prob_micro_batch_size_per_gpu` (default: the update's micro-batch), as verl's ref pass."""
+    def _reference_targets(self, traj: Trajectory) -> torch.Tensor:
+        """What the KL term compares with, under the reference policy, `[B, W, *latent]`: its transition means, or
+        its velocities with `actor.kl_loss_type=velocity`; in micro-batches of `ref.log_prob_micro_batch_size_per_gpu`
+        (default: the update's micro-batch), as verl's ref pass."""
         arr = self.config.actor_rollout_ref
         micro = arr.ref.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+        velocity = arr.actor.kl_loss_type == "velocity"
         out = torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32)
         for idx in torch.arange(traj.batch_size).split(micro):
             part = traj.index_select(idx).to(self.policy.device)
             for j in range(traj.window_size):
-                out[idx, j] = self._score(part, j, use_reference=True)[1].float().cpu()
+                scored = self._score(part, j, use_reference=True)
+                out[idx, j] = (scored.velocity if velocity else scored.prev_sample_mean).float().cpu()
         return out
 
     def local_samples(self, batch_size: int, global_step: int) -> list[int]:
@@ -524,9 +584,9 @@ class TrainingActor:
         old_own = part.log_probs if bypass else self._old_log_probs(part)
         drift = {} if bypass else rollout_probs_diff(part.log_probs, old_own)
         old = self._by_sample(own, old_own.float(), batch_size)
-        ref_means = None
+        ref_targets = None  # the reference's transition means or velocities (actor.kl_loss_type)
         if self.config.actor_rollout_ref.actor.use_kl_loss:
-            ref_means = self._by_sample(own, self._reference_means(part), batch_size)
+            ref_targets = self._by_sample(own, self._reference_targets(part), batch_size)
         if self.sharded:
             # FSDP2 keeps the root's parameters gathered after a forward; gathered under no_grad they would carry no
             # gradient back to the shards (the root's gradients came out None): gather them again in the update.
@@ -541,11 +601,15 @@ class TrainingActor:
             if selected.get("micro_batch") is not mb:
                 selected.update(micro_batch=mb, part=traj.index_select(row_of[mb["sample"]]).to(self.policy.device))
             part = selected["part"]
-            log_prob, mean, std = self._score(part, j)
-            ref_mean = None
-            if ref_means is not None:  # the reference policy's mean of the same transition (no gradient)
-                ref_mean = ref_means[mb["sample"], j].to(mean.device)
-            return StepOutput(log_prob=log_prob, prev_sample_mean=mean, std_dev_t=std, ref_prev_sample_mean=ref_mean)
+            scored = self._score(part, j)
+            out = StepOutput(log_prob=scored.log_prob, prev_sample_mean=scored.prev_sample_mean, std_dev_t=scored.std_dev_t)
+            if ref_targets is not None:  # the reference policy's value for the same transition (no gradient)
+                ref = ref_targets[mb["sample"], j].to(scored.velocity.device)
+                if self.config.actor_rollout_ref.actor.kl_loss_type == "velocity":
+                    out.velocity, out.ref_velocity = scored.velocity, ref
+                else:
+                    out.ref_prev_sample_mean = ref
+            return out
 
         # ppo_update slices every tensor by sample; `sample` tells step_fn which samples it got.
         batch = {"old_log_probs": old, "advantages": advantages.float(), "sample": torch.arange(batch_size)}
@@ -570,6 +634,9 @@ class TrainingActor:
         self.policy.transformer.eval()
         self._count_nonfinite(metrics, global_step)
         self.version = global_step
+        if self.ema is not None:
+            decay = self.ema.step(self._trainable_state(), global_step)
+            metrics["actor/ema_decay"] = 0.0 if decay is None else decay  # 0: the average was not folded this step
         t2 = time.perf_counter()
         metrics["timing_s/old_log_prob"] = t1 - t0
         metrics["timing_s/update_actor"] = t2 - t1
