@@ -122,7 +122,7 @@ def test_old_log_prob_and_reference_micro_batches_are_what_the_keys_say(tiny_sd3
         hook_ref = actor.policy._reference.register_forward_pre_hook(
             lambda _m, args, kwargs: batch_sizes.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
         )
-        ref = actor._reference_means(traj)
+        ref = actor._reference_targets(traj)
         hook_ref.remove()
     finally:
         hook.remove()

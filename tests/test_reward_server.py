@@ -47,7 +47,7 @@ def compute_score(data_source, solution_image, ground_truth, extra_info):
     log = os.environ.get("OMNIFLOW_TEST_REWARD_LOG")
     if log:
         with open(log, "a") as f:
-            f.write(json.dumps({"score": score}) + "\\n")
+            f.write(json.dumps({"score": score, "height": int(hwc.shape[0])}) + "\\n")
     return {"score": score, "height": int(hwc.shape[0])}
 """
 SECRET = "s3cr3t-token-do-not-log"
@@ -362,7 +362,9 @@ def test_a_training_run_scores_through_a_served_reward(
     ]
     state = main_diffusion_v1(overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
-    served_scores = [json.loads(line)["score"] for line in log.read_text().splitlines()[before:]]
+    # The run's images are 32 px; a call of an earlier test that timed out on the client may still log (24 px).
+    rows = [json.loads(line) for line in log.read_text().splitlines()[before:]]
+    served_scores = [row["score"] for row in rows if row["height"] == 32]
     assert len(served_scores) == 8  # 2 prompts x 4 samples, scored by the server
     metrics = [json.loads(line) for line in (tmp_path / "ckpt").rglob("metrics.jsonl").__next__().read_text().splitlines()]
     step = next(m for m in metrics if "critic/rewards/mean" in m)
