@@ -121,3 +121,35 @@ def run_with_kill(flow_overrides, ckpt, experiment: str, name_part: str, class_n
     )
     watcher.join(timeout=30)
     return state, killed
+
+
+def train_one_epoch_and_export(flow_overrides: list[str], model_dir: Path, tmp_path: Path, pipeline_cls: type, extra: list[str]):
+    """One lean epoch of `main_diffusion_v1` on the pipeline in `model_dir` (with `extra` overrides), then the export
+    of its checkpoint loaded back with diffusers' `pipeline_cls`. Checks what every architecture must give: one step,
+    a checkpoint with the diffusers copy, a finite reward, a first ratio of exactly 1 (the update is on-policy), and
+    an exported transformer that is the trained one, not the base one. Returns the step's metrics record."""
+    import math
+
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    from omni_core.export import export_checkpoint
+    from omni_core.tracking import read_jsonl
+
+    overrides = [o for o in flow_overrides if not o.startswith(("actor_rollout_ref.model.path=", "trainer.total_epochs="))]
+    overrides += [f"actor_rollout_ref.model.path={model_dir}", *extra, "trainer.total_epochs=1"]
+    state = main_diffusion_v1(overrides=[*overrides, f"trainer.default_local_dir={tmp_path / 'ckpt'}"], return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.global_step == 1
+    step = Path(result.final_checkpoint)
+    assert step.name == "global_step_1" and (step / "actor" / "hf" / "config.json").is_file()
+    records = [r for r in read_jsonl(Path(result.log_dir) / "metrics.jsonl") if "critic/rewards/mean" in r]
+    assert len(records) == 1 and math.isfinite(records[0]["critic/rewards/mean"])
+    assert records[0]["actor/ratio_mean"] == 1.0
+
+    export_checkpoint(model_dir, step, tmp_path / "export")
+    exported = pipeline_cls.from_pretrained(tmp_path / "export", local_files_only=True).transformer.state_dict()
+    base = pipeline_cls.from_pretrained(model_dir, local_files_only=True).transformer.state_dict()
+    assert exported.keys() == base.keys()
+    assert any(not torch.equal(exported[k], base[k]) for k in base)
+    return records[0]

@@ -4,9 +4,6 @@ on-policy ratio exactly 1 through true CFG, and the whole main flow on the tiny 
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -96,32 +93,16 @@ def test_rescoring_through_true_cfg_gives_ratio_exactly_one(flux_policy, one_tor
 @pytest.mark.timeout(600)
 def test_main_flow_trains_and_exports_flux(prefect_api, ray_cluster, transfer_queue, flow_overrides, tiny_flux_dir, tmp_path):
     from diffusers import FluxPipeline
-    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+    from flow_utils import train_one_epoch_and_export
 
-    from omni_core.export import export_checkpoint
-    from omni_core.tracking import read_jsonl
-
-    ckpt = tmp_path / "ckpt"
-    overrides = [o for o in flow_overrides if not o.startswith(("actor_rollout_ref.model.path=", "trainer.total_epochs="))]
-    overrides += [
-        f"actor_rollout_ref.model.path={tiny_flux_dir}",
-        f"actor_rollout_ref.rollout.pipeline.guidance_scale={GUIDANCE}",
-        "actor_rollout_ref.rollout.pipeline.true_cfg_scale=2.0",
-        "trainer.total_epochs=1",
-        f"trainer.default_local_dir={ckpt}",
-    ]
-    state = main_diffusion_v1(overrides=overrides, return_state=True)
-    assert state.is_completed(), state.message
-    result = state.result()
-    assert result.global_step == 1
-    step = Path(result.final_checkpoint)
-    assert step.name == "global_step_1" and (step / "actor" / "hf" / "config.json").is_file()
-    records = [r for r in read_jsonl(Path(result.log_dir) / "metrics.jsonl") if "critic/rewards/mean" in r]
-    assert len(records) == 1 and math.isfinite(records[0]["critic/rewards/mean"])
-    assert records[0]["actor/ratio_mean"] == 1.0  # the first update is on-policy: exactly 1 through true CFG
-
-    export_checkpoint(tiny_flux_dir, step, tmp_path / "export")
-    exported = FluxPipeline.from_pretrained(tmp_path / "export", local_files_only=True).transformer.state_dict()
-    base = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True).transformer.state_dict()
-    assert exported.keys() == base.keys()
-    assert any(not torch.equal(exported[k], base[k]) for k in base)  # the trained transformer, not the base one
+    # One step, a checkpoint, a finite reward, a first ratio of exactly 1 through true CFG, the trained export.
+    train_one_epoch_and_export(
+        flow_overrides,
+        tiny_flux_dir,
+        tmp_path,
+        FluxPipeline,
+        [
+            f"actor_rollout_ref.rollout.pipeline.guidance_scale={GUIDANCE}",
+            "actor_rollout_ref.rollout.pipeline.true_cfg_scale=2.0",
+        ],
+    )

@@ -223,34 +223,16 @@ def test_main_flow_trains_and_exports_qwen_image(
     prefect_api, ray_cluster, transfer_queue, flow_overrides, tiny_qwen_image_dir, tmp_path
 ):
     from diffusers import QwenImagePipeline
-    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+    from flow_utils import train_one_epoch_and_export
 
-    from omni_core.export import export_checkpoint
-    from omni_core.tracking import read_jsonl
-
-    ckpt = tmp_path / "ckpt"
-    overrides = [o for o in flow_overrides if not o.startswith(("actor_rollout_ref.model.path=", "trainer.total_epochs="))]
-    overrides += [
-        f"actor_rollout_ref.model.path={tiny_qwen_image_dir}",
-        "actor_rollout_ref.rollout.pipeline.true_cfg_scale=2.0",
-        "trainer.total_epochs=1",
-        f"trainer.default_local_dir={ckpt}",
-    ]
-    state = main_diffusion_v1(overrides=overrides, return_state=True)
-    assert state.is_completed(), state.message
-    result = state.result()
-    assert result.global_step == 1
-    step = Path(result.final_checkpoint)
-    assert step.name == "global_step_1" and (step / "actor" / "hf" / "config.json").is_file()
-    records = [r for r in read_jsonl(Path(result.log_dir) / "metrics.jsonl") if "critic/rewards/mean" in r]
-    assert len(records) == 1 and math.isfinite(records[0]["critic/rewards/mean"])
-    assert records[0]["actor/ratio_mean"] == 1.0  # the first update is on-policy: exactly 1 with true CFG too
-
-    export_checkpoint(tiny_qwen_image_dir, step, tmp_path / "export")
-    exported = QwenImagePipeline.from_pretrained(tmp_path / "export", local_files_only=True).transformer.state_dict()
-    base = QwenImagePipeline.from_pretrained(tiny_qwen_image_dir, local_files_only=True).transformer.state_dict()
-    assert exported.keys() == base.keys()
-    assert any(not torch.equal(exported[k], base[k]) for k in base)  # the trained transformer, not the base one
+    # One step, a checkpoint, a finite reward, a first ratio of exactly 1 through true CFG, the trained export.
+    train_one_epoch_and_export(
+        flow_overrides,
+        tiny_qwen_image_dir,
+        tmp_path,
+        QwenImagePipeline,
+        ["actor_rollout_ref.rollout.pipeline.true_cfg_scale=2.0"],
+    )
 
 
 def test_published_qwen_image_config_counts_and_its_shrunk_build_samples(tmp_path, one_torch_thread):
