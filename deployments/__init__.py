@@ -1,1 +1,2 @@
-"""OmniFlow's Prefect deployments (`omniflow.deployments`): schedules and parameters of the main job."""
+"""OmniFlow's Prefect deployments (`omniflow.deployments`): defined once in `definitions`, served by `serve`,
+registered on work pools by `deploy`."""

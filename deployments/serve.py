@@ -1,9 +1,10 @@
 """Serve OmniFlow's deployments from one process, for users without a work pool or workers.
 
-`python -m omniflow.deployments.serve` (also `omniflow serve`) reads `deployments/prefect.yaml` -- the
-same deployments, parameters, descriptions, tags and schedules that `prefect deploy --all` registers --
-and serves them with `prefect.serve`: the process polls the Prefect API for its deployments' runs
-(scheduled, or triggered from the UI / `run_deployment`) and runs each one in a subprocess.
+`python -m omniflow.deployments.serve` (also `omniflow serve`) serves the local deployments of
+`deployments/definitions.py` -- the same objects, parameters, descriptions, tags and schedules that
+`omniflow deploy` registers on a process work pool -- with `prefect.serve`: the process polls the Prefect API
+for its deployments' runs (scheduled, or triggered from the UI / `run_deployment`) and runs each one in a
+subprocess.
 
 Stopping it (Ctrl-C, SIGTERM) leaves the deployments and their schedules active (`pause_on_shutdown`
 is off): the next `serve` picks the schedule up again, and the UI never shows a nightly paused by a
@@ -19,80 +20,74 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import yaml
+# WEBHOOK_ENV: the variable naming the webhook that OmniFlow's automations notify (automations.py owns it).
+from omniflow.deployments.automations import WEBHOOK_ENV
 
-DEPLOYMENTS_FILE = Path(__file__).with_name("prefect.yaml")
-# Keys a deployment in prefect.yaml may have; serve uses all but work_pool and pull (they concern workers).
-_KNOWN_KEYS = {"name", "entrypoint", "description", "tags", "version", "schedules", "parameters", "work_pool", "pull"}
-
-
-def load_deployment_specs(path: str | Path = DEPLOYMENTS_FILE, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """The `deployments:` entries of a prefect.yaml, all of them or those named in `names`."""
-    specs = yaml.safe_load(Path(path).read_text()).get("deployments") or []
-    for spec in specs:
-        unknown = set(spec) - _KNOWN_KEYS
-        if unknown:
-            raise ValueError(f"{path}: deployment {spec.get('name')!r} has keys serve does not support: {sorted(unknown)}")
-    if names:
-        known = [s["name"] for s in specs]
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise ValueError(f"no deployment named {missing} in {path}; choose from {known}")
-        specs = [s for s in specs if s["name"] in names]
-    return specs
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
 
 
-def _schedules(spec: dict[str, Any]) -> list[Any]:
-    from prefect.schedules import Cron, Interval
+def served_deployments(names: Sequence[str] | None = None) -> list[RunnerDeployment]:
+    """The local deployments of definitions.py, all of them or those named; a container deployment is refused
+    (it runs where a worker of its docker / kubernetes pool runs: `omniflow deploy NAME`)."""
+    from omniflow.deployments.definitions import DeploymentChoiceError, container_deployments, local_deployments, select
 
-    out = []
-    for s in spec.get("schedules") or []:
-        if "cron" in s:
-            out.append(Cron(s["cron"], timezone=s.get("timezone"), active=s.get("active", True)))
-        elif "interval" in s:
-            out.append(Interval(s["interval"], timezone=s.get("timezone"), active=s.get("active", True)))
-        else:
-            raise ValueError(f"deployment {spec['name']!r}: only cron and interval schedules are served, got {s}")
-    return out
-
-
-def build_deployments(specs: Sequence[dict[str, Any]]) -> list[Any]:
-    """One `RunnerDeployment` per spec, from the flow its entrypoint names."""
-    from prefect.flows import load_flow_from_entrypoint
-
-    deployments = []
-    for spec in specs:
-        flow = load_flow_from_entrypoint(spec["entrypoint"])
-        deployments.append(
-            flow.to_deployment(
-                name=spec["name"],
-                description=spec.get("description"),
-                tags=spec.get("tags"),
-                version=spec.get("version"),
-                parameters=spec.get("parameters") or {},
-                schedules=_schedules(spec),
-            )
+    local = local_deployments()
+    containers = {d.name: d.work_pool_name for d in container_deployments()}
+    named = [n for n in names or [] if n in containers]
+    if named:
+        raise DeploymentChoiceError(
+            f"{named} run in containers of a work pool ({', '.join(containers[n] for n in named)}), not in this process: "
+            f"register them with `omniflow deploy {' '.join(named)}` and start a worker of that pool"
         )
-    return deployments
+    return select(local, list(names or []))
 
 
-def serve_deployments(specs: Sequence[dict[str, Any]], limit: int | None = None) -> None:
-    """Serve `specs` (from `load_deployment_specs`) until stopped; their schedules stay active afterwards."""
+def ensure_automations_if_present(
+    command: str, webhook_url: str | None, register: Callable[[], object] | None = None
+) -> list[str]:
+    """Create OmniFlow's automations (deployments/automations.py) after `register` (which registers the deployments
+    they name); their names, printed. Without a webhook (`--alert-webhook`, ${WEBHOOK_ENV}) or a notification block
+    saved as `omniflow-alerts`, none is created, and one line says how to add them."""
+    from omniflow.deployments.automations import ensure_automations
+
+    if register is not None:
+        register()
+    names = ensure_automations(webhook_url=webhook_url)
+    if names:
+        print(f"{command}: automations: {', '.join(names)}", flush=True)
+    else:
+        print(
+            f"{command}: no alerts: set --alert-webhook URL (or {WEBHOOK_ENV}), or save a notification block named "
+            "omniflow-alerts, for the failed-run and reward-regression automations",
+            flush=True,
+        )
+    return names
+
+
+def serve_deployments(deployments: Sequence[RunnerDeployment], limit: int | None = None, webhook_url: str | None = None) -> None:
+    """Serve `deployments` until stopped; their schedules stay active afterwards. They are registered first, so
+    that the automations can name them."""
     from prefect import serve
 
-    deployments = build_deployments(specs)
+    ensure_automations_if_present("omniflow serve", webhook_url, register=lambda: [d.apply() for d in deployments])
     serve(*deployments, pause_on_shutdown=False, limit=limit, print_starting_message=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniflow serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help="deployments to serve (default: all in the file)")
-    parser.add_argument("--file", default=str(DEPLOYMENTS_FILE), help="a prefect.yaml (default: OmniFlow's own)")
+    parser.add_argument("names", nargs="*", help="deployments to serve (default: all local ones of deployments/definitions.py)")
     parser.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
+    parser.add_argument(
+        "--alert-webhook",
+        default=os.environ.get(WEBHOOK_ENV),
+        metavar="URL",
+        help=f"the webhook OmniFlow's automations notify (default: ${WEBHOOK_ENV}; none: automations without notifications)",
+    )
     parser.add_argument(
         "--allow-reward-dir",
         action="append",
@@ -115,23 +110,25 @@ def allow_reward_dirs(dirs: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    try:
-        specs = load_deployment_specs(ns.file, ns.names)  # a bad name or file fails before any server starts
-    except (OSError, ValueError) as exc:
-        print(f"omniflow serve: {exc}", file=sys.stderr)
-        return 2
+    from omniflow.deployments.definitions import DeploymentChoiceError
     from omniflow.flows.runner import prefect_api, prepare_process
 
     allow_reward_dirs(ns.allow_reward_dir)
     prepare_process()
-    with prefect_api("omniflow serve") as api:
-        print(f"omniflow serve: deployments: {', '.join(s['name'] for s in specs)}", flush=True)
-        if api.ui_url:
-            print(f"omniflow serve: open {api.ui_url}/deployments to trigger a run with parameters", flush=True)
-        try:
-            serve_deployments(specs, ns.limit)
-        except KeyboardInterrupt:
-            print("omniflow serve: stopped; the deployments and their schedules stay active", file=sys.stderr)
+
+    deployments: list[RunnerDeployment] = []
+    try:
+        # The flows are imported while an embedded server boots; a bad name fails before anything is served.
+        with prefect_api("omniflow serve", warm_up=lambda: deployments.extend(served_deployments(ns.names))) as api:
+            print(f"omniflow serve: deployments: {', '.join(d.name for d in deployments)}", flush=True)
+            if api.ui_url:
+                print(f"omniflow serve: open {api.ui_url}/deployments to trigger a run with parameters", flush=True)
+            serve_deployments(deployments, ns.limit, ns.alert_webhook)
+    except DeploymentChoiceError as exc:
+        print(f"omniflow serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("omniflow serve: stopped; the deployments and their schedules stay active", file=sys.stderr)
     return 0
 
 

@@ -89,6 +89,34 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     return serve_main(ns.args)
 
 
+def _cmd_deploy(ns: argparse.Namespace) -> int:
+    from omniflow.deployments.deploy import main as deploy_main
+
+    return deploy_main(ns.args)
+
+
+def _cmd_alerts(ns: argparse.Namespace) -> int:
+    """Create or update the `omniflow-alerts` block and the automations on the Prefect API (PREFECT_API_URL, else
+    the embedded one of `omniflow serve` / `train`, started for the call)."""
+    from omniflow.flows.embedded_api import embedded_prefect_api
+
+    with embedded_prefect_api() as api:
+        api.wait_ready()
+        from omniflow.deployments.automations import BLOCK_NAME, WEBHOOK_ENV, ensure_automations
+
+        names = ensure_automations(ns.webhook)
+    if not names:
+        print(
+            f"omniflow: no block named {BLOCK_NAME!r} and no URL: give --webhook URL (or {WEBHOOK_ENV}), or save a "
+            f"notification block named {BLOCK_NAME!r} in the Prefect UI",
+            file=sys.stderr,
+        )
+        return 2
+    where = f"the local Prefect API of PREFECT_HOME={api.server.home} (omniflow serve uses it)" if api.server else api.url
+    print(f"automations {', '.join(names)} notify the block {BLOCK_NAME!r}; saved on {where}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow",
@@ -113,10 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     serve = sub.add_parser(
-        "serve", help="serve the deployments of deployments/prefect.yaml (schedules, UI-triggered runs) from this process"
+        "serve", help="serve the deployments of deployments/definitions.py (schedules, UI-triggered runs) from this process"
     )
-    serve.add_argument("args", nargs=argparse.REMAINDER, help="[NAME ...] [--file prefect.yaml] [--limit N]")
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="[NAME ...] [--limit N] [--allow-reward-dir DIR]")
     serve.set_defaults(func=_cmd_serve)
+
+    deploy = sub.add_parser(
+        "deploy", help="register the deployments of deployments/definitions.py on work pools (then: prefect worker start)"
+    )
+    deploy.add_argument("args", nargs=argparse.REMAINDER, help="[NAME ...] [--pool POOL] [--docker-image IMAGE]")
+    deploy.set_defaults(func=_cmd_deploy)
+
+    alerts = sub.add_parser(
+        "alerts", help="notify a webhook (or a notification block) when a run fails or its validation reward regresses"
+    )
+    alerts.add_argument("--webhook", help="URL to POST JSON alerts to (saved as the Webhook block 'omniflow-alerts')")
+    alerts.set_defaults(func=_cmd_alerts)
 
     reward_server = sub.add_parser(
         "reward-server",
@@ -150,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # its own parser (and --help)
         return _cmd_serve(argparse.Namespace(args=argv[1:]))
+    if argv[:1] == ["deploy"]:
+        return _cmd_deploy(argparse.Namespace(args=argv[1:]))
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

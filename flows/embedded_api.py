@@ -35,6 +35,8 @@ CACHE_DIR_ENV = "OMNIFLOW_CACHE_DIR"
 DB_NAME = "prefect.db"
 # Settings that move Prefect's database away from PREFECT_HOME/prefect.db: then no template is used or kept.
 DATABASE_URL_ENVS = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
+LEASE_STORAGE_ENV = "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"
+FILE_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 def template_database() -> Path | None:
@@ -166,6 +168,10 @@ class PrefectServer:
                 self._keep_as_template = template
         env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
         env.pop("PREFECT_API_URL", None)
+        # Concurrency leases (GPU slots: tasks/gpu_slots.py) in files under PREFECT_HOME, not in the server's memory:
+        # the database keeps a limit's active slots across restarts, so with leases in memory a slot held by a run
+        # killed together with its server would stay taken for good; from files, the next server expires it.
+        env.setdefault(LEASE_STORAGE_ENV, FILE_LEASE_STORAGE)
         # The bundled UI calls the API at this URL (its default is port 4200, whatever --port says).
         env["PREFECT_UI_API_URL"] = env["PREFECT_SERVER_UI_API_URL"] = self.url
         self._log = open(self.home / "server.log", "ab")  # noqa: SIM115  (closed in stop)

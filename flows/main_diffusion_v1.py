@@ -31,6 +31,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from omniflow.flows.cancellation import close_after_cancel_or_crash, wait_for_epoch
+from omniflow.flows.events import RewardWatch, emit_epoch_events, emit_run_failed
+from omniflow.flows.library_use import flow_with_embedded_api
 from omniflow.tasks.build_trainer import build_trainer
 from omniflow.tasks.close_transfer_queue import close_transfer_queue
 from omniflow.tasks.fit_epoch import fit_epoch
@@ -126,13 +129,14 @@ def fit(
         progress=100.0 * start_epoch / end_epoch, key="omniflow-progress", description="Training progress (steps done / total)"
     )
     results = []
+    watch = RewardWatch(config.trainer.alerts.reward_regression_drop)  # the run's best validation reward, across epochs
     for epoch in range(start_epoch, end_epoch):
         for restarts in range(MAX_TRANSFER_QUEUE_RESTARTS + 1):
             # Ray's own task retries stay off: Prefect's (from the last checkpoint, infrastructure failures only) are the only ones.
             with remote_options(max_retries=0):
                 future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
             try:
-                results.append(future.result(timeout=EPOCH_RESULT_TIMEOUT_S))
+                results.append(wait_for_epoch(future, EPOCH_RESULT_TIMEOUT_S))  # a cancellation stops it at once
                 break
             except Exception as exc:
                 if restarts == MAX_TRANSFER_QUEUE_RESTARTS or not is_transfer_queue_lost(exc):
@@ -142,11 +146,26 @@ def fit(
                     f"checkpoint ({restarts + 1}/{MAX_TRANSFER_QUEUE_RESTARTS})"
                 )
                 restart_transfer_queue(config)
+        # checkpoint / validation / regression events, naming main_diffusion_v1's run (this subflow's parent)
+        emit_epoch_events(config, run, results[-1], watch, runtime.flow_run.parent_flow_run_id or runtime.flow_run.id)
         publish_reward_curve(run, results, end_epoch)
     return results
 
 
-@flow(name="main_diffusion_v1", log_prints=True)
+# The result is persisted as JSON (a TrainResult, never a pickle), so `run_deployment(...).state.result()` reads it
+# from another process: see README "Deployments".
+# on_failure / on_crashed: the `omniflow.run.failed` event (flows/events.py). on_cancellation / on_crashed: what the run
+# left in this process's Ray is stopped (flows/cancellation.py). Called from plain Python with no Prefect API, it
+# starts the embedded one, never Prefect's ephemeral mode (flows/library_use.py).
+@flow_with_embedded_api(
+    name="main_diffusion_v1",
+    log_prints=True,
+    persist_result=True,
+    result_serializer="json",
+    on_failure=[emit_run_failed],
+    on_crashed=[emit_run_failed, close_after_cancel_or_crash],
+    on_cancellation=[close_after_cancel_or_crash],
+)
 def main_diffusion_v1(
     config: OmniFlowConfig | None = None,
     overrides: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)

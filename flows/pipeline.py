@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
+from omniflow.flows.library_use import flow_with_embedded_api
 from omniflow.flows.main_diffusion_v1 import TrainResult, main_diffusion_v1
 from omniflow.flows.runner import shutdown_ray
 from omniflow.tasks.evaluate_policy import evaluate_policy
@@ -100,7 +101,9 @@ def evaluate(
     return EvaluationResult(reward_before=before, reward_after=after, grid_before=grid_before, grid_after=grid_after)
 
 
-@flow(name="diffusion-rl-pipeline", log_prints=True)
+# Persisted as JSON like main_diffusion_v1's TrainResult: a parent flow reads the PipelineResult of a deployment run.
+# Called from plain Python with no Prefect API, it starts the embedded one (flows/library_use.py).
+@flow_with_embedded_api(name="diffusion-rl-pipeline", log_prints=True, persist_result=True, result_serializer="json")
 def diffusion_rl_pipeline(
     base_model: str = "models/tiny-sd3",
     build_tiny_if_missing: bool = True,

@@ -2,13 +2,20 @@
 
 A function of (config, epoch, last checkpoint): it rebuilds the controller, finds the run's actors by
 name, restarts from the last checkpoint written before a failure (the actor reloads it if its
-weights moved past it; stale TransferQueue rows are cleared), trains the epoch, saves its
-checkpoint, and publishes the epoch's metrics table and checkpoint card as artifacts. The trainer's
-log lines (its own and the rollout workers') go to the run's log as they happen.
+weights moved past it; stale TransferQueue rows are cleared), trains the epoch holding a GPU slot
+(`gpu_slots`: runs sharing a Prefect server queue for the devices), saves its checkpoint, and publishes
+the epoch's metrics table and checkpoint card as artifacts. The trainer's log lines go to the run's log as they happen: its own (`log_callback`), those of `omni_core` loggers in this
+process (a `CallbackHandler` for the task's duration), and the actors' (training ranks, rollout workers),
+which the trainer drains after every step (`omni_core.worker_logs`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+from omniflow.tasks.gpu_slots import gpu_slot
 from omniflow.tasks.publish_reports import publish_card, publish_validation_grids
 from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import get_run_logger, task
@@ -20,6 +27,7 @@ from omni_core.data.prompts import PromptRecord
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.cards import checkpoint_card, epoch_metrics_rows
 from omni_core.trainers import build_diffusion_trainer
+from omni_core.worker_logs import ROOT_LOGGER, CallbackHandler
 
 
 @task(
@@ -40,16 +48,36 @@ def fit_epoch(
     resume_from: str | None,
     progress_artifact_id: str | None = None,
 ) -> EpochResult:
-    trainer = build_diffusion_trainer(config, run)
-    trainer.restore_context(train_records, val_records, resume_from)
-    trainer.log_callback = get_run_logger().log
-    if progress_artifact_id:
-        trainer.step_callback = lambda step, total, _: update_progress_artifact(
-            progress_artifact_id, progress=100.0 * step / total
-        )
-    result = trainer.fit_epoch(epoch)
+    log = get_run_logger().log
+    with omni_core_logs_to(log):
+        trainer = build_diffusion_trainer(config, run)
+        trainer.restore_context(train_records, val_records, resume_from)
+        trainer.log_callback = log
+        if progress_artifact_id:
+            trainer.step_callback = lambda step, total, _: update_progress_artifact(
+                progress_artifact_id, progress=100.0 * step / total
+            )
+        with gpu_slot(config.trainer.concurrency, f"fit_epoch-{epoch}"):
+            result = trainer.fit_epoch(epoch)
     _publish(result)
     return result
+
+
+@contextlib.contextmanager
+def omni_core_logs_to(log: Callable[[int, str], None]) -> Iterator[None]:
+    """Within: records of `omni_core.*` loggers in this process (INFO and up: checkpoint retention, replay
+    buffer, TransferQueue) go to `log` as they happen, and only there (not a second time on stderr)."""
+    root = logging.getLogger(ROOT_LOGGER)
+    handler, level, propagate = CallbackHandler(log), root.level, root.propagate
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        root.propagate = propagate
 
 
 def _publish(result: EpochResult) -> None:

@@ -2,13 +2,15 @@
 
 Joins `ray_kwargs.ray_init.address` or starts a local cluster with enough logical CPUs, and checks the
 cluster against the run's resource budget (the TransferQueue's reservations included), so nothing is
-left pending forever. The TransferQueue itself starts in the next stage, `init_transfer_queue`.
+left pending forever. The TransferQueue itself starts in the next stage, `init_transfer_queue`. When a Ray
+dashboard runs, its address is in the run's log and a link artifact `omniflow-ray-dashboard`.
 """
 
 from __future__ import annotations
 
 from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact
 
 from omni_core.config import OmniFlowConfig
 from omni_core.ray_cluster import connect_run_cluster
@@ -23,6 +25,13 @@ def init_ray(config: OmniFlowConfig) -> bool:
         if cluster.dashboard_url
         else "Ray dashboard: not running (ray_kwargs.ray_init.include_dashboard=true starts it)"
     )
+    if cluster.dashboard_url:
+        create_link_artifact(
+            key="omniflow-ray-dashboard",
+            link=cluster.dashboard_url,
+            link_text="Ray dashboard",
+            description="The Ray cluster of this run: actors, tasks, logs, resources",
+        )
     if cluster.auth_warning:
         get_run_logger().warning(cluster.auth_warning)
     return cluster.owns_ray

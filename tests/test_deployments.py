@@ -1,9 +1,10 @@
 """Deployments against real Prefect servers (`prefect server start` on 127.0.0.1, temporary PREFECT_HOME).
 
-Two servers, started and stopped here, one per way of deploying:
-- "served": `python -m omniflow.deployments.serve` serves deployments/prefect.yaml from one process;
-- "pooled": `prefect deploy --all` registers the same file against a process work pool and
-  `prefect worker start --pool omniflow-process` runs what is triggered.
+Two servers, started and stopped here, one per way of deploying the one definition (deployments/definitions.py):
+- "served": `python -m omniflow.deployments.serve` serves its local deployments from one process;
+- "pooled": `omniflow deploy` registers the same deployments on a process work pool and
+  `prefect worker start --pool omniflow-process` runs what is triggered; the container deployments are
+  registered on docker / kubernetes pools of Prefect's own templates (the server checks their job variables).
 
 The runs are triggered through the API as the UI does (a flow run created from a deployment with
 parameters), all at module set-up so that they run side by side; each test then waits for its own.
@@ -14,6 +15,7 @@ No test needs another to run first: the one that stops `serve` waits for the run
 from __future__ import annotations
 
 import datetime
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,8 +91,13 @@ def stack(tmp_path_factory, flow_overrides):
         # The README's commands for work pools, from a project folder (the worker's working directory).
         pool = prefect_cli(["work-pool", "create", "omniflow-process", "--type", "process"], pooled_env, root)
         assert pool.returncode == 0, pool.stdout + pool.stderr
-        s.deploy_output = prefect_cli(
-            ["deploy", "--all", "--prefect-file", str(REPO / "deployments" / "prefect.yaml")], pooled_env, root, 240
+        s.deploy_output = subprocess.run(
+            [sys.executable, "-m", "omniflow.flows.cli", "deploy"],
+            env=pooled_env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert s.deploy_output.returncode == 0, s.deploy_output.stdout[-3000:] + s.deploy_output.stderr[-3000:]
         prefect = [str(Path(sys.executable).with_name("prefect"))]
@@ -226,8 +233,8 @@ def test_cross_field_violation_fails_the_run_before_any_ray_worker(stack):
     assert [(t.name.rsplit("-", 1)[0], t.state.name) for t in tasks] == [("validate_config", "Failed")]
 
 
-# ----------------------------------------------------------------------------- prefect.yaml path
-def test_prefect_deploy_all_registers_schedules_and_parameter_schema(stack):
+# ----------------------------------------------------------------------------- work pool path
+def test_omniflow_deploy_registers_schedules_and_parameter_schema(stack):
     assert "tiny-sd3-nightly" in stack.deploy_output.stdout
     with api(stack.pooled_url) as client:
         deps = {d.name: d for d in client.read_deployments()}
@@ -251,6 +258,61 @@ def test_process_worker_runs_a_triggered_run(stack):
     assert run.state.type.value == "COMPLETED", run.state.message
     assert run.work_pool_name == "omniflow-process"
     assert (stack.root / "pooled-ckpt" / "global_step_1" / "actor" / "model.safetensors").is_file()
+
+
+def test_served_and_pooled_deployments_come_from_one_definition(stack):
+    fields = ("description", "tags", "version", "parameters", "entrypoint", "parameter_openapi_schema")
+    with api(stack.served_url) as client:
+        served = {d.name: d for d in client.read_deployments() if d.name in DEPLOYMENTS}
+    with api(stack.pooled_url) as client:
+        pooled = {d.name: d for d in client.read_deployments() if d.name in DEPLOYMENTS}
+    for name in DEPLOYMENTS:
+        a, b = served[name], pooled[name]
+        assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}, name
+        assert [s.schedule for s in a.schedules] == [s.schedule for s in b.schedules]
+        assert a.entrypoint.startswith("omniflow.flows.")  # a module path: any machine with omniflow installed runs it
+        assert a.work_pool_name is None and b.work_pool_name == "omniflow-process"
+        # The pooled runs start in the folder `omniflow deploy` ran from, where relative paths resolve.
+        assert b.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(stack.root.resolve())}}]
+
+
+def test_container_deployments_register_on_pools_of_prefects_own_templates(stack):
+    """The docker pool has prefect-docker's default template, the kubernetes pool the example's; the server checks
+    the templates (pool creation) and the deployments' job variables against them (deployment creation)."""
+    pytest.importorskip("prefect_docker", reason="the docker extra: pip install -e '.[docker]'")
+    import json
+
+    from omniflow.deployments.deploy import chosen_deployments, deploy_deployments
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect_docker.worker import DockerWorker
+
+    names = ["tiny-sd3-pipeline-docker-gpu", "tiny-sd3-pipeline-k8s-gpu"]
+    with api(stack.pooled_url) as client:
+        by_pool = chosen_deployments(names)
+        assert sorted(by_pool) == ["omniflow-docker", "omniflow-kubernetes"]
+        with pytest.raises(ValueError, match="prefect work-pool create omniflow-docker --type docker"):
+            deploy_deployments(by_pool)  # no such pools yet: the error says how to create them
+        client.create_work_pool(
+            WorkPoolCreate(name="omniflow-docker", type="docker", base_job_template=DockerWorker.get_default_base_job_template())
+        )
+        k8s_template = json.loads((REPO / "examples" / "cluster" / "k8s-gpu-base-job-template.json").read_text())
+        client.create_work_pool(WorkPoolCreate(name="omniflow-kubernetes", type="kubernetes", base_job_template=k8s_template))
+        assert deploy_deployments(by_pool) == [
+            "diffusion-rl-pipeline/tiny-sd3-pipeline-docker-gpu -> omniflow-docker",
+            "diffusion-rl-pipeline/tiny-sd3-pipeline-k8s-gpu -> omniflow-kubernetes",
+        ]
+        docker = deployment(client, "diffusion-rl-pipeline", "tiny-sd3-pipeline-docker-gpu")
+        k8s = deployment(client, "diffusion-rl-pipeline", "tiny-sd3-pipeline-k8s-gpu")
+        assert docker.job_variables["container_create_kwargs"]["device_requests"][0]["capabilities"] == [["gpu"]]
+        assert k8s.job_variables["gpu_limit"] == 1 and k8s.work_pool_name == "omniflow-kubernetes"
+        assert docker.pull_steps == [] and k8s.pull_steps == []  # the code is in the image
+        # The server enforces the pool's schema: a GPU count that is not an integer is refused.
+        (bad,) = chosen_deployments(["tiny-sd3-pipeline-k8s-gpu"])["omniflow-kubernetes"]
+        bad.job_variables["gpu_limit"] = "one"
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            bad.apply(work_pool_name="omniflow-kubernetes")
+        assert "is not of type" in str(refused.value) and "integer" in str(refused.value), refused.value
 
 
 # ----------------------------------------------------------------------------- the UI, in a browser

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from omni_core.config.defaults_file import load_defaults
 
@@ -431,6 +431,21 @@ class TrainerV1Config(ConfigModel):
     sampler: SamplerConfig = _v1.section("sampler", SamplerConfig)
 
 
+_al = _Section("trainer.alerts")
+
+
+class AlertsConfig(ConfigModel):
+    reward_regression_drop: float | None = _al("reward_regression_drop", ge=0)
+
+
+_cc = _Section("trainer.concurrency")
+
+
+class ConcurrencyConfig(ConfigModel):
+    gpu_limit: Annotated[str, Field(min_length=1, pattern=r"^[^/%&><]+$")] | None = _cc("gpu_limit")
+    gpu_limit_size: PositiveInt = _cc("gpu_limit_size")
+
+
 _t = _Section("trainer")
 
 
@@ -453,7 +468,22 @@ class TrainerConfig(ConfigModel):
     default_local_dir: str | None = _t("default_local_dir")
     max_actor_ckpt_to_keep: PositiveInt | None = _t("max_actor_ckpt_to_keep")
     use_v1: bool = _t("use_v1")
+    concurrency: ConcurrencyConfig = _t.section("concurrency", ConcurrencyConfig)
+    alerts: AlertsConfig = _t.section("alerts", AlertsConfig)
     v1: TrainerV1Config = _t.section("v1", TrainerV1Config)
+
+    @field_validator("alerts")
+    @classmethod
+    def _regression_needs_validations(cls, alerts: AlertsConfig, info: ValidationInfo) -> AlertsConfig:
+        """A regression compares validations: without `test_freq` a run validates once at most (before training)."""
+        drop, test_freq = alerts.reward_regression_drop, info.data.get("test_freq", -1)
+        if drop is not None and test_freq <= 0:
+            raise ValueError(
+                f"trainer.alerts.reward_regression_drop={drop} compares validation rewards, but trainer.test_freq="
+                f"{test_freq} validates at most once (before training); set trainer.test_freq=N (validate every "
+                "N steps) or trainer.alerts.reward_regression_drop=null"
+            )
+        return alerts
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -1,8 +1,8 @@
 """What the run's artifacts say: markdown cards and table rows built from the run's records.
 
 No Prefect here: the tasks publish these as artifacts (`tasks/fit_epoch.py`, `tasks/publish_reports.py`,
-the pipeline's `evaluate`). Pictures are embedded as data URIs, so the Prefect UI shows them without a
-file server; the PNG files stay on disk next to the checkpoints.
+the pipeline's `evaluate`). Pictures are embedded as data URIs up to a size, so the Prefect UI shows them
+without a file server, and linked above it (`markdown_image`); the PNG files stay on disk next to the checkpoints.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omni_core.checkpoint import checkpoint_summary
 from omni_core.records import EpochResult, RunInfo
-from omni_core.reports.images import png_data_uri
+from omni_core.reports.images import markdown_image
 from omni_core.reports.plots import save_reward_curve, trend_line
 
 REWARD_CURVE = "reward_curve.png"  # in the run's log folder
@@ -45,7 +45,7 @@ def _metrics_lines(metrics: dict[str, float]) -> str:
     return "\n".join(f"| {k} | {v:.6f} |" for k, v in sorted(metrics.items()))
 
 
-def _val_reward(metrics: dict[str, float]) -> float | None:
+def validation_reward(metrics: dict[str, float]) -> float | None:
     """The mean of a validation's `val-core/<data source>/reward/mean@n` values (None if it has none)."""
     rewards = [v for k, v in metrics.items() if k.startswith("val-core/")]
     return sum(rewards) / len(rewards) if rewards else None
@@ -57,7 +57,7 @@ def _step_rewards(epochs: list[EpochResult]) -> tuple[list[dict[str, float]], li
 
 
 def _val_points(epochs: list[EpochResult]) -> list[tuple[int, float]]:
-    points = [(step, _val_reward(metrics)) for e in epochs for step, _, metrics in e.val_grids]
+    points = [(step, validation_reward(metrics)) for e in epochs for step, _, metrics in e.val_grids]
     return [(step, r) for step, r in points if r is not None]
 
 
@@ -65,12 +65,12 @@ def validation_cards(result: EpochResult) -> list[Card]:
     """One card per validation of the epoch: its image grid (rows: prompts) and metrics."""
     cards = []
     for step, path, metrics in result.val_grids:
-        reward = _val_reward(metrics)
+        reward = validation_reward(metrics)
         cards.append(
             Card(
                 markdown=(
                     f"### Validation samples at step {step}\n\nRows: prompts; columns: samples (noise 0, fixed seeds).\n\n"
-                    f"![validation samples, step {step}]({png_data_uri(path)})\n\n| metric | value |\n|---|---|\n"
+                    f"{markdown_image(path, f'validation samples, step {step}')}\n\n| metric | value |\n|---|---|\n"
                     f"{_metrics_lines(metrics)}\n\nPNG: `{path}`\n"
                 ),
                 description=f"Validation at step {step}" + (f": reward {reward:.6f}" if reward is not None else ""),
@@ -111,7 +111,7 @@ def reward_curve_card(run: RunInfo, epochs: list[EpochResult], end_epoch: int) -
     line = trend_line(rewards)
     done = epochs[-1].epoch + 1 if epochs else 0
     return Card(
-        markdown=f"### Reward curve after epoch {done}/{end_epoch}: {line}\n\n![reward curve]({png_data_uri(path)})\n\nPNG: `{path}`\n",
+        markdown=f"### Reward curve after epoch {done}/{end_epoch}: {line}\n\n{markdown_image(path, 'reward curve')}\n\nPNG: `{path}`\n",
         description=line,
     )
 
@@ -123,11 +123,11 @@ def run_summary_card(run: RunInfo, epochs: list[EpochResult], final_checkpoint: 
     parts = [f"### {run.run_id}: {line}\n", f"Steps trained: {global_step}; last checkpoint: `{final_checkpoint}`\n"]
     if steps:
         curve = save_reward_curve(steps, Path(run.log_dir) / REWARD_CURVE, _val_points(epochs), title=run.run_id)
-        parts.append(f"![reward curve]({png_data_uri(curve)})\n")
+        parts.append(f"{markdown_image(curve, 'reward curve')}\n")
     grids = [g for e in epochs for g in e.val_grids]
     if grids:
         step, path, _ = grids[-1]
-        parts.append(f"Last validation samples (step {step}):\n\n![validation samples]({png_data_uri(path)})\n")
+        parts.append(f"Last validation samples (step {step}):\n\n{markdown_image(path, 'validation samples')}\n")
     return Card(markdown="\n".join(parts), description=line)
 
 
@@ -147,7 +147,7 @@ def evaluation_card(
             f"### Evaluation: mean reward {before:.6f} -> {after:.6f} ({after - before:+.6f})\n\n"
             f"{num_prompts} prompts x {samples_per_prompt} samples, seed {seed}; checkpoint `{checkpoint}`.\n\n"
             f"| weights | mean reward |\n|---|---|\n| initial | {before:.6f} |\n| trained | {after:.6f} |\n\n"
-            f"Before:\n\n![before]({png_data_uri(grid_before)})\n\nAfter:\n\n![after]({png_data_uri(grid_after)})\n\n"
+            f"Before:\n\n{markdown_image(grid_before, 'before')}\n\nAfter:\n\n{markdown_image(grid_after, 'after')}\n\n"
             f"PNGs: `{grid_before}`, `{grid_after}`\n"
         ),
         description="Mean reward and samples before / after fine-tuning",

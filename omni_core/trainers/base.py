@@ -20,6 +20,7 @@ happen (the Prefect layer forwards them to the run's log; omni_core knows nothin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -58,6 +59,7 @@ from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
 from omni_core.training_ranks import TrainingRanks
 from omni_core.validation.paths import checkpoint_folder_problems
+from omni_core.worker_logs import ActorLogs
 from omni_core.worker_pool import actor_options, create_pool, remove_pool
 
 logger = logging.getLogger("omni_core.trainer")
@@ -65,6 +67,10 @@ logger = logging.getLogger("omni_core.trainer")
 # Every wait is bounded (DESIGN.md section 7).
 ACTOR_CALL_TIMEOUT_S = 1800.0
 ACTOR_RESTART_TIMEOUT_S = 600.0
+# How long a log drain waits for the actors' buffers: after a step (idle actors answer in milliseconds; a busy
+# separate_async rollout worker answers at a later drain) and at the end of an epoch.
+LOG_DRAIN_WAIT_S = 1.0
+LOG_DRAIN_WAIT_AT_EPOCH_END_S = 5.0
 
 
 def cpu_threads(parallel_workers: int, cores_taken: int = 0) -> int:
@@ -96,6 +102,7 @@ class PolicyGradientDiffusionTrainerV1:
         # Called with (logging level, message) for every controller and worker log line, as it happens;
         # the Prefect layer sends them to the run's log. Without it they go to the `omni_core.trainer` logger.
         self.log_callback: Callable[[int, str], None] | None = None
+        self._actor_logs = ActorLogs()  # the actors' own `omni_core` log records (omni_core.worker_logs)
 
     # ------------------------------------------------------------------------ sizes
     @property
@@ -329,6 +336,7 @@ class PolicyGradientDiffusionTrainerV1:
         self._val_grids = []
         start_from = self._latest_of_this_run()
         self._restore(start_from)
+        self._actor_logs.install(self._log_actors())
         self._attach_transfer_queue()
         for partition in (self.run.train_partition, self.run.val_partition):
             stale = tqc.clear_partition(partition)
@@ -368,8 +376,11 @@ class PolicyGradientDiffusionTrainerV1:
             if self.global_step >= self.total_training_steps:
                 self.on_train_end()
                 self.tracking.log_model(result.checkpoint, self.global_step)  # mlflow: the final model as an artifact
+            self._drain_worker_logs(LOG_DRAIN_WAIT_AT_EPOCH_END_S, check=False)  # the checkpoint's lines too
         except BaseException:
             self.tracking.close(failed=True)  # wandb exit code 1, mlflow status FAILED
+            with contextlib.suppress(Exception):  # what the actors logged before the failure, never a second error
+                self._drain_worker_logs(check=False)
             raise
         finally:
             self.tracking.close()
@@ -620,9 +631,15 @@ class PolicyGradientDiffusionTrainerV1:
         else:
             logger.log(level, message)
 
-    def _drain_worker_logs(self) -> None:
+    def _log_actors(self) -> list[Any]:
+        return [*(self.ranks.handles if self.ranks else []), *(self.agent_loop.workers if self.agent_loop else [])]
+
+    def _drain_worker_logs(self, wait_s: float = LOG_DRAIN_WAIT_S, check: bool = True) -> None:
+        """The rollout results' lines, then what the actors logged through `omni_core` loggers since the last
+        drain. `check=False` (the end of an epoch, maybe failing): no liveness check that could raise again."""
         assert self.agent_loop is not None
-        for level, line in self.agent_loop.drain_logs():
+        lines = self.agent_loop.drain_logs() if check else []
+        for level, line in [*lines, *self._actor_logs.collect(self._log_actors(), wait_s)]:
             self._log(line, level)
 
     # ------------------------------------------------------------------------ hooks

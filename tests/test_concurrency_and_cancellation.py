@@ -1,0 +1,248 @@
+"""Concurrency and cancellation of served runs, against a real `prefect server start` and `omniflow serve`.
+
+One scenario, shared by the tests (module fixture `scenario`), on the `tiny-sd3-on-demand` deployment (concurrency
+limit 1, ENQUEUE) and a global concurrency limit of one slot:
+
+1. the test takes the only slot of the GPU limit (playing another run's GPU work), then triggers run A
+   (one epoch) and, once A runs, run B (the same experiment: it resumes A's checkpoint);
+2. A's `fit_epoch-0` waits for the slot; the test gives it back; A trains and writes its first checkpoint;
+   B waits meanwhile in AwaitingConcurrencySlot (the deployment's limit);
+3. A is cancelled through the API (as `prefect flow-run cancel` does) after its first checkpoint, mid-epoch
+   (one epoch of STEPS steps, a checkpoint after each): it ends Cancelled,
+   every process it started (its flow process, its Ray cluster, TransferQueue and actors) is gone within
+   `CANCEL_BOUND_S`, its GPU slot is free and its checkpoint verifies;
+4. B then starts, resumes from A's last checkpoint, trains the remaining steps and completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, TaskRunFilter, TaskRunFilterName
+from real_prefect import api, deployment, server_env, start_process, stop_process, wait_final, wait_gone
+
+pytestmark = pytest.mark.timeout(600)
+
+FLOW, DEPLOYMENT = "main_diffusion_v1", "tiny-sd3-on-demand"
+GPU_LIMIT = "test-gpu"
+CANCEL_BOUND_S = 10.0  # the feature: a cancelled run's processes are gone this soon after the request
+RUN_TIMEOUT_S = 300
+STEPS = 8  # one epoch of 8 steps (16 prompts, 2 per step), a checkpoint after each
+
+
+@dataclass
+class Scenario:
+    root: Path
+    url: str
+    ckpt: Path
+    runs: dict[str, Any] = field(default_factory=dict)
+    slot_released_at: float = 0.0  # wall clock (epoch seconds) when the test gave its GPU slot back
+    a_processes: list[Any] = field(default_factory=list)  # A's flow process and its descendants, before the cancel
+    cancel_requested_at: float = 0.0  # monotonic
+    processes_gone_after_s: float = -1.0
+    active_slots_after_cancel: int = -1
+    log: Path = Path()
+    a_last_step: int = 0  # A's last checkpoint
+
+
+def _poll(what: str, check, timeout_s: float, log: Path, every_s: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    raise AssertionError(f"{what}: not seen after {timeout_s:.0f}s; serve log tail:\n{tail}")
+
+
+def _task_run(client: Any, flow_run_ids: list[Any], name: str) -> Any:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    children = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=flow_run_ids))
+    )
+    ids = [*flow_run_ids, *(c.id for c in children)]
+    runs = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)),
+        task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])),
+    )
+    return runs[0] if runs else None
+
+
+def _hold_slot(url: str, taken: threading.Event, release: threading.Event) -> None:
+    """Hold the only slot of GPU_LIMIT until `release` is set (another run's GPU work, as Prefect sees it)."""
+    from prefect.concurrency.sync import concurrency
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), concurrency(GPU_LIMIT, occupy=1, lease_duration=60, strict=True):
+        taken.set()
+        release.wait(RUN_TIMEOUT_S)
+
+
+def _run_tree(serve_pid: int) -> list[Any]:
+    """The flow-run processes of `serve` (its child processes and all of theirs)."""
+    import psutil
+
+    return psutil.Process(serve_pid).children(recursive=True)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory, flow_overrides):
+    from omniflow.flows.embedded_api import PrefectServer
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.states import Cancelling
+
+    root = tmp_path_factory.mktemp("run_control")
+    server = PrefectServer(root / "home").start()
+    s = Scenario(root, server.url, root / "ckpt", log=root / "serve.log")
+    serve, holder, release = None, None, threading.Event()
+    try:
+        server.wait_ready()
+        env = server_env(server.url, server.home)
+        serve = start_process([sys.executable, "-m", "omniflow.deployments.serve", DEPLOYMENT], env, root, s.log)
+        with api(server.url) as client:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=1))
+        taken = threading.Event()
+        holder = threading.Thread(target=_hold_slot, args=(server.url, taken, release), daemon=True)
+        holder.start()
+        assert taken.wait(60), "the test could not take the GPU slot"
+
+        prompts = root / "train.txt"
+        prompts.write_text("".join(f"a shape number {i}\n" for i in range(2 * STEPS)))
+        parameters = {
+            "overrides": [
+                *flow_overrides,
+                f"data.train_files={prompts}",
+                "trainer.total_epochs=1",
+                "trainer.save_freq=1",
+                "trainer.max_actor_ckpt_to_keep=null",
+                f"trainer.default_local_dir={s.ckpt}",
+                "trainer.experiment_name=resumable",
+                "trainer.val_before_train=false",
+                f"trainer.concurrency.gpu_limit={GPU_LIMIT}",
+            ]
+        }
+        dep = _poll("the served deployment", lambda: _deployment_or_none(server.url), 120, s.log)
+        with api(server.url) as client:
+            s.runs["A"] = client.create_flow_run_from_deployment(dep.id, parameters=parameters)
+            # B is triggered once A holds the deployment's slot (Running), so that A is the first.
+            _poll("A running", lambda: client.read_flow_run(s.runs["A"].id).state.is_running(), RUN_TIMEOUT_S, s.log)
+            s.runs["B"] = client.create_flow_run_from_deployment(dep.id, parameters=parameters)
+
+            # 2. A's first epoch asks for the slot the test holds (its log says so); then the test gives it back.
+            _poll("A's fit_epoch-0 waiting", lambda: _slot_logs(client, s.runs["A"].id)[0], RUN_TIMEOUT_S, s.log, every_s=0.5)
+            s.slot_released_at = time.time()
+            release.set()
+            holder.join(30)
+
+            # 3. After A's first checkpoint, mid-epoch: cancel it.
+            _poll("A's first checkpoint", lambda: (s.ckpt / "latest_checkpointed_iteration.txt").is_file(), RUN_TIMEOUT_S, s.log)
+            s.a_processes = _run_tree(serve.pid)
+            s.cancel_requested_at = time.monotonic()
+            client.set_flow_run_state(s.runs["A"].id, Cancelling(message="cancelled by the test"))
+        with contextlib.suppress(AssertionError):
+            wait_gone(s.a_processes, timeout_s=60)
+        s.processes_gone_after_s = time.monotonic() - s.cancel_requested_at
+        wait_final(server.url, s.runs["A"].id, RUN_TIMEOUT_S, s.log)
+        s.a_last_step = int((s.ckpt / "latest_checkpointed_iteration.txt").read_text())
+        with api(server.url) as client:
+            s.active_slots_after_cancel = client.read_global_concurrency_limit_by_name(GPU_LIMIT).active_slots
+        yield s
+    finally:
+        release.set()
+        if serve is not None and serve.poll() is None:
+            stop_process(serve)
+        server.stop()
+
+
+def _deployment_or_none(url: str) -> Any:
+    from prefect.exceptions import ObjectNotFound
+
+    with api(url) as client, contextlib.suppress(ObjectNotFound):
+        return deployment(client, FLOW, DEPLOYMENT)
+    return None
+
+
+def _slot_logs(client: Any, flow_run_id: Any) -> tuple[list[Any], list[Any]]:
+    """The log records of A's `fit_epoch-0` that say it waits for a slot of GPU_LIMIT, and that it took one."""
+    fit = _task_run(client, [flow_run_id], "fit_epoch-0")
+    if fit is None:
+        return [], []
+    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fit.flow_run_id])))
+    waiting = [r for r in logs if f"waiting for a slot of global concurrency limit '{GPU_LIMIT}'" in r.message]
+    return waiting, [r for r in logs if f"took a slot of '{GPU_LIMIT}'" in r.message]
+
+
+def _running(client: Any, flow_run_id: Any, task_name: str) -> bool:
+    task_run = _task_run(client, [flow_run_id], task_name)
+    return task_run is not None and task_run.state is not None and task_run.state.is_running()
+
+
+def _states(url: str, flow_run_id: Any) -> list[Any]:
+    with api(url) as client:
+        return sorted(client.read_flow_run_states(flow_run_id), key=lambda st: st.timestamp)
+
+
+# ----------------------------------------------------------------------------- cancellation
+def test_cancelled_run_ends_cancelled_and_its_processes_go_within_the_bound(scenario):
+    with api(scenario.url) as client:
+        run = client.read_flow_run(scenario.runs["A"].id)
+    assert run.state.type.value == "CANCELLED", run.state
+    assert scenario.a_processes, "A's processes were not found before the cancel"
+    names = " ".join(p.name() for p in scenario.a_processes if _alive_name(p))
+    print(f"A's {len(scenario.a_processes)} processes gone {scenario.processes_gone_after_s:.1f} s after the cancel request")
+    wait_gone(scenario.a_processes, timeout_s=0.1)  # none left, whatever the time it took ...
+    assert scenario.processes_gone_after_s <= CANCEL_BOUND_S, (scenario.processes_gone_after_s, names)  # ... and in time
+
+
+def _alive_name(p: Any) -> bool:
+    import psutil
+
+    try:
+        return p.is_running()
+    except psutil.Error:
+        return False
+
+
+def test_cancelled_runs_gpu_slot_is_free_and_its_checkpoint_verifies(scenario):
+    from omni_core.checkpoint import run_id_of, verify_checkpoint
+
+    assert scenario.active_slots_after_cancel == 0
+    assert 1 <= scenario.a_last_step < STEPS  # cancelled mid-epoch, after its first checkpoint
+    last = scenario.ckpt / f"global_step_{scenario.a_last_step}"
+    verify_checkpoint(last)  # every file of its manifest, sizes and sha256
+    assert run_id_of(last) == f"resumable-{str(scenario.runs['A'].id)[:8]}"
+
+
+# ----------------------------------------------------------------------------- concurrency
+def test_first_epoch_waited_for_the_gpu_slot(scenario):
+    with api(scenario.url) as client:
+        waiting, took = _slot_logs(client, scenario.runs["A"].id)
+    assert waiting and took
+    # It asked while the test held the only slot, and got it only after the test gave it back.
+    assert waiting[0].timestamp.timestamp() < scenario.slot_released_at <= took[0].timestamp.timestamp()
+
+
+def test_second_run_waited_for_the_first_then_resumed_its_checkpoint(scenario):
+    from omni_core.checkpoint import run_id_of, verify_checkpoint
+
+    b = wait_final(scenario.url, scenario.runs["B"].id, RUN_TIMEOUT_S, scenario.log)
+    assert b.state.type.value == "COMPLETED", b.state.message
+    a_end = _states(scenario.url, scenario.runs["A"].id)[-1]
+    b_states = _states(scenario.url, scenario.runs["B"].id)
+    assert "AwaitingConcurrencySlot" in [st.name for st in b_states], [st.name for st in b_states]
+    b_running = next(st for st in b_states if st.type.value == "RUNNING")
+    assert a_end.type.value == "CANCELLED" and b_running.timestamp >= a_end.timestamp
+    # B went on from A's last checkpoint: A wrote every step up to it, B every step after it, to the end.
+    a, k = f"resumable-{str(scenario.runs['A'].id)[:8]}", scenario.a_last_step
+    writers = {step: run_id_of(scenario.ckpt / f"global_step_{step}") for step in range(1, STEPS + 1)}
+    assert writers == {step: a if step <= k else f"resumable-{str(b.id)[:8]}" for step in range(1, STEPS + 1)}
+    verify_checkpoint(scenario.ckpt / f"global_step_{STEPS}")
