@@ -154,6 +154,10 @@ def flow_overrides(tiny_sd3_dir, flow_prompts) -> list[str]:
         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
         "trainer.total_epochs=2",
         "trainer.logger=[console,file]",
+        # No GPU slot: the session's Prefect test harness runs no lease-expiry service, so a slot held by a run that a
+        # test SIGKILLs would never come back and the resumed run would wait for it forever. The concurrency tests
+        # (test_concurrency_and_cancellation) name their own limit on a real server.
+        "trainer.concurrency.gpu_limit=null",
     ]
 
 
