@@ -98,3 +98,25 @@ def screenshot_dir(root: Path) -> Path:
     d = Path(root) / "screenshots"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def wait_for_text(driver, texts: list[str], timeout_s: float = 60) -> str:
+    """The page's text once it shows every one of `texts` (polled); fails naming the missing ones."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    body = ""
+    while time.monotonic() < deadline:
+        body = driver.find_element(By.TAG_NAME, "body").text
+        if all(t in body for t in texts):
+            return body
+        time.sleep(0.5)
+    raise AssertionError(f"page never showed {[t for t in texts if t not in body]}; it shows:\n{body[:2000]}")
+
+
+def open_tab(driver, name: str) -> None:
+    """Click the Prefect UI tab labelled `name`."""
+    from selenium.webdriver.common.by import By
+
+    tab = next(e for e in driver.find_elements(By.CSS_SELECTOR, "li.p-tab") if e.text.strip() == name)
+    tab.click()

@@ -185,3 +185,25 @@ def two_rank_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides,
     state = main_diffusion_v1(overrides=[*flow_overrides, *TWO_RANKS, f"trainer.default_local_dir={ckpt}"], return_state=True)
     assert state.is_completed(), state.message
     return state, ckpt
+
+
+# ------------------------------------------------------------------------------------ the UI, in a browser
+@pytest.fixture(scope="module")
+def chromium() -> tuple[str, str]:
+    """Debian's chromium + chromedriver, installed with apt if missing (bounded by browser.INSTALL_BOUND_S,
+    outside the test's own timeout: the test is marked func_only)."""
+    from browser import ensure_chromium
+
+    found = ensure_chromium()
+    if isinstance(found, str):  # CI (root, Debian, apt) installs them: not having them is a failure, not a skip
+        pytest.fail(found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def browser(chromium):
+    from browser import chrome
+
+    driver = chrome(*chromium)
+    yield driver
+    driver.quit()

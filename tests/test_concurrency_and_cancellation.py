@@ -17,6 +17,8 @@ limit 1, ENQUEUE) and a global concurrency limit of one slot:
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, TaskRunFilter, TaskRunFilterName
 from real_prefect import api, deployment, server_env, start_process, stop_process, wait_final, wait_gone
+from run_deployment_scripts import PARENT, READER_WITHOUT_OMNIFLOW, result_line
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,6 +53,7 @@ class Scenario:
     active_slots_after_cancel: int = -1
     log: Path = Path()
     a_last_step: int = 0  # A's last checkpoint
+    parent: Any = None  # the parent flow's process (run_deployment of B)
 
 
 def _poll(what: str, check, timeout_s: float, log: Path, every_s: float = 0.25) -> Any:
@@ -135,7 +139,18 @@ def scenario(tmp_path_factory, flow_overrides):
             s.runs["A"] = client.create_flow_run_from_deployment(dep.id, parameters=parameters)
             # B is triggered once A holds the deployment's slot (Running), so that A is the first.
             _poll("A running", lambda: client.read_flow_run(s.runs["A"].id).state.is_running(), RUN_TIMEOUT_S, s.log)
-            s.runs["B"] = client.create_flow_run_from_deployment(dep.id, parameters=parameters)
+            # B comes from a parent flow in another process that imports only prefect and calls run_deployment (the
+            # README's example); it reads B's TrainResult when B ends (test_a_parent_flow_reads_...).
+            (root / "parent.py").write_text(PARENT)
+            s.parent = subprocess.Popen(
+                [sys.executable, str(root / "parent.py"), json.dumps(parameters), str(3 * RUN_TIMEOUT_S)],
+                env=server_env(server.url, root / "parent-home"),  # its own PREFECT_HOME: it reads B's result file
+                cwd=root,
+                stdout=open(root / "parent.out", "w"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            s.runs["B"] = _poll("B, triggered by the parent", lambda: _other_run(client, dep.id, s.runs["A"].id), 120, s.log)
 
             # 2. A's first epoch asks for the slot the test holds (its log says so); then the test gives it back.
             _poll("A's fit_epoch-0 waiting", lambda: _slot_logs(client, s.runs["A"].id)[0], RUN_TIMEOUT_S, s.log, every_s=0.5)
@@ -158,9 +173,22 @@ def scenario(tmp_path_factory, flow_overrides):
         yield s
     finally:
         release.set()
+        if s.parent is not None and s.parent.poll() is None:
+            try:
+                s.parent.wait(timeout=RUN_TIMEOUT_S)  # it returns once B ends (the tests wait for B first)
+            except subprocess.TimeoutExpired:
+                s.parent.kill()
         if serve is not None and serve.poll() is None:
             stop_process(serve)
         server.stop()
+
+
+def _other_run(client: Any, deployment_id: Any, not_id: Any) -> Any:
+    """The deployment's flow run other than `not_id`, once it exists."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    return next((r for r in runs if r.id != not_id), None)
 
 
 def _deployment_or_none(url: str) -> Any:
@@ -246,3 +274,68 @@ def test_second_run_waited_for_the_first_then_resumed_its_checkpoint(scenario):
     writers = {step: run_id_of(scenario.ckpt / f"global_step_{step}") for step in range(1, STEPS + 1)}
     assert writers == {step: a if step <= k else f"resumable-{str(b.id)[:8]}" for step in range(1, STEPS + 1)}
     verify_checkpoint(scenario.ckpt / f"global_step_{STEPS}")
+
+
+# func_only: the apt install of chromium (the browser fixture, bounded on its own) does not count against the test.
+@pytest.mark.timeout(600, func_only=True)
+def test_the_cancelled_run_its_events_and_the_alert_automations_show_in_the_ui(scenario, browser, tmp_path):
+    """In a real browser on the server's UI: run A's page says Cancelled; the automations OmniFlow declares (created
+    here as `omniflow alerts --webhook` creates them) are listed; the event feed shows B's checkpoint events."""
+    from browser import screenshot_dir, wait_for_text
+    from omniflow.deployments.automations import ensure_automations
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    b = wait_final(scenario.url, scenario.runs["B"].id, RUN_TIMEOUT_S, scenario.log)  # its epoch's events are out
+    with temporary_settings({PREFECT_API_URL: scenario.url}):
+        names = ensure_automations(webhook_url="http://127.0.0.1:9/omniflow-alerts")
+    assert sorted(names) == ["omniflow-reward-regressed", "omniflow-run-failed"]
+    ui, shots = scenario.url.removesuffix("/api"), screenshot_dir(tmp_path)
+
+    a = scenario.runs["A"]
+    browser.get(f"{ui}/runs/flow-run/{a.id}")
+    wait_for_text(browser, [a.name, "Cancelled", DEPLOYMENT])
+    browser.save_screenshot(str(shots / "cancelled_run.png"))
+
+    browser.get(f"{ui}/automations")
+    wait_for_text(browser, names)
+    browser.save_screenshot(str(shots / "automations.png"))
+
+    browser.get(f"{ui}/events")
+    wait_for_text(browser, ["omniflow.checkpoint.saved"])
+    browser.save_screenshot(str(shots / "event_feed.png"))
+    assert b.state.type.value == "COMPLETED"
+    for name in ("cancelled_run.png", "automations.png", "event_feed.png"):
+        assert (shots / name).stat().st_size > 10_000
+
+
+def test_a_parent_flow_in_another_process_reads_the_train_result_of_the_served_run(scenario):
+    """Run B came from `run_deployment` in a parent process that imports only prefect: once B ends, the parent's
+    `state.result()` is B's TrainResult (persisted as JSON by the served run); a process where OmniFlow cannot be
+    imported reads the same fields as a plain dict."""
+    b = wait_final(scenario.url, scenario.runs["B"].id, RUN_TIMEOUT_S, scenario.log)
+    assert b.state.type.value == "COMPLETED", b.state.message
+    code = scenario.parent.wait(timeout=RUN_TIMEOUT_S)
+    out = subprocess.CompletedProcess([], code, (scenario.root / "parent.out").read_text(errors="replace"), "")
+    got = result_line(out)
+    assert got["flow_run_id"] == str(b.id)
+    assert got["omniflow_modules_before_result"] == []  # the parent script itself imports no OmniFlow module
+    assert got["type"] == "TrainResult"  # Prefect's JSON decoder rebuilt the pydantic model
+    result = got["result"]
+    assert result["global_step"] == STEPS
+    final = Path(result["final_checkpoint"])
+    assert final.name == f"global_step_{STEPS}" and (final / "actor" / "model.safetensors").is_file()
+    assert Path(result["checkpoint_dir"]) == scenario.ckpt
+    assert got["parent_task_run_id"] != "None"  # run_deployment made B a subflow of the parent
+
+    (scenario.root / "reader.py").write_text(READER_WITHOUT_OMNIFLOW)
+    out = subprocess.run(
+        [sys.executable, str(scenario.root / "reader.py"), got["flow_run_id"]],
+        env=server_env(scenario.url, scenario.root / "reader-home"),
+        cwd=scenario.root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    plain = result_line(out)
+    assert plain["__class__"] == "omniflow.flows.main_diffusion_v1.TrainResult"
+    assert plain["data"] == result

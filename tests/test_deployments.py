@@ -316,53 +316,10 @@ def test_container_deployments_register_on_pools_of_prefects_own_templates(stack
 
 
 # ----------------------------------------------------------------------------- the UI, in a browser
-@pytest.fixture(scope="module")
-def chromium() -> tuple[str, str]:
-    """Debian's chromium + chromedriver, installed with apt if missing (bounded by browser.INSTALL_BOUND_S,
-    outside the test's own timeout: the test is marked func_only)."""
-    from browser import ensure_chromium
-
-    found = ensure_chromium()
-    if isinstance(found, str):  # CI (root, Debian, apt) installs them: not having them is a failure, not a skip
-        pytest.fail(found)
-    return found
-
-
-@pytest.fixture(scope="module")
-def browser(chromium):
-    from browser import chrome
-
-    driver = chrome(*chromium)
-    yield driver
-    driver.quit()
-
-
-def _wait_for_text(driver, texts: list[str], timeout_s: float = 60) -> str:
-    import time
-
-    from selenium.webdriver.common.by import By
-
-    deadline = time.monotonic() + timeout_s
-    body = ""
-    while time.monotonic() < deadline:
-        body = driver.find_element(By.TAG_NAME, "body").text
-        if all(t in body for t in texts):
-            return body
-        time.sleep(0.5)
-    raise AssertionError(f"page never showed {[t for t in texts if t not in body]}; it shows:\n{body[:2000]}")
-
-
-def _open_tab(driver, name: str) -> None:
-    from selenium.webdriver.common.by import By
-
-    tab = next(e for e in driver.find_elements(By.CSS_SELECTOR, "li.p-tab") if e.text.strip() == name)
-    tab.click()
-
-
 # func_only: the apt install of chromium (browser's fixture, bounded on its own) does not count against the test.
 @pytest.mark.timeout(600, func_only=True)
 def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser, tmp_path):
-    from browser import screenshot_dir
+    from browser import open_tab, screenshot_dir, wait_for_text
 
     run = wait_final(stack.served_url, stack.runs["served"].id, RUN_TIMEOUT_S, stack.root / "serve.log")
     with api(stack.served_url) as client:
@@ -374,9 +331,9 @@ def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser, tm
 
     # The run's page: name, state, deployment; its Task Runs tab lists the stages.
     browser.get(f"{ui}/runs/flow-run/{run.id}")
-    body = _wait_for_text(browser, [run.name, "Completed", "tiny-sd3-on-demand", "Task Runs"])
+    body = wait_for_text(browser, [run.name, "Completed", "tiny-sd3-on-demand", "Task Runs"])
     assert "Can't connect to Server API" not in body
-    _open_tab(browser, "Task Runs")
+    open_tab(browser, "Task Runs")
     stages = [
         "validate_config",
         "init_transfer_queue",
@@ -385,18 +342,18 @@ def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser, tm
         "init_agent_loop",
         "close_transfer_queue",
     ]
-    _wait_for_text(browser, [f"{name}-" for name in stages])
+    wait_for_text(browser, [f"{name}-" for name in stages])
     browser.save_screenshot(str(shots / "flow_run_page.png"))
 
     # The run's own artifacts tab: the summary, whose verdict says whether the reward went up.
-    _open_tab(browser, "Artifacts")
-    _wait_for_text(browser, ["omniflow-run-summary", "mean reward"])
+    open_tab(browser, "Artifacts")
+    wait_for_text(browser, ["omniflow-run-summary", "mean reward"])
 
     # The fit subflow's artifacts tab: the per-epoch artifacts with their titles.
     browser.get(f"{ui}/runs/flow-run/{fit.id}")
-    _wait_for_text(browser, [fit.name, "Parent Run", run.name])
-    _open_tab(browser, "Artifacts")
-    _wait_for_text(
+    wait_for_text(browser, [fit.name, "Parent Run", run.name])
+    open_tab(browser, "Artifacts")
+    wait_for_text(
         browser,
         [
             "omniflow-progress",
@@ -416,7 +373,7 @@ def test_run_page_in_the_prefect_ui_shows_tasks_and_artifacts(stack, browser, tm
             )
         )
     browser.get(f"{ui}/artifacts/artifact/{summary.id}")
-    _wait_for_text(browser, ["mean reward", "Steps trained: 1"])
+    wait_for_text(browser, ["mean reward", "Steps trained: 1"])
     images = _wait_for_images(browser)
     assert sorted(images) == [36, 640], images  # the 1-prompt validation grid (32 px + padding), the reward curve
     browser.save_screenshot(str(shots / "run_summary_artifact.png"))
