@@ -1,0 +1,98 @@
+"""The rule-based verifier of procedural scenes: what an image shows, attribute by attribute, against its prompt.
+
+Reading an image (uint8 `[H, W, 3]`) for the scene its prompt names:
+1. foreground = pixels whose RGB distance to the prompt's background colour is above `FOREGROUND_DISTANCE`;
+2. keep the largest 4-connected component (stray speckles would wreck shape and position);
+3. colour = the palette colour nearest to the component's mean colour;
+   position = the anchor nearest to its centroid;
+   shape = from the fill ratio of its bounding box (square > 0.9 >= circle > 0.66 >= triangle: a disc fills
+   pi / 4 = 0.79 of its box, a triangle 0.5).
+A component under `MIN_PIXELS` or over half the image is no object: every attribute fails.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from omni_core.procedural.scenes import BACKGROUNDS, COLOURS, POSITIONS, Scene
+
+__all__ = ["Reading", "read_scene", "verify"]
+
+FOREGROUND_DISTANCE = 100.0
+MIN_PIXELS = 8
+SQUARE_FILL, CIRCLE_FILL = 0.9, 0.66
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the verifier saw: the attributes (None when there is no object) and the component's size in pixels."""
+
+    colour: str | None
+    shape: str | None
+    position: str | None
+    pixels: int
+
+
+def _largest_component(mask: np.ndarray) -> np.ndarray:
+    """The largest 4-connected component of a boolean mask (an empty mask gives an empty one)."""
+    seen = np.zeros_like(mask)
+    best: list[tuple[int, int]] = []
+    h, w = mask.shape
+    for y, x in zip(*np.nonzero(mask), strict=True):
+        if seen[y, x]:
+            continue
+        seen[y, x] = True
+        queue, part = deque([(int(y), int(x))]), []
+        while queue:
+            cy, cx = queue.popleft()
+            part.append((cy, cx))
+            for ny, nx in ((cy - 1, cx), (cy + 1, cx), (cy, cx - 1), (cy, cx + 1)):
+                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    queue.append((ny, nx))
+        if len(part) > len(best):
+            best = part
+    out = np.zeros_like(mask)
+    if best:
+        ys, xs = zip(*best, strict=True)
+        out[list(ys), list(xs)] = True
+    return out
+
+
+def _nearest(value: np.ndarray, table: dict[str, tuple[float, ...]]) -> str:
+    return min(table, key=lambda k: float(np.sum((np.asarray(table[k], dtype=np.float64) - value) ** 2)))
+
+
+def read_scene(image: np.ndarray, background: str) -> Reading:
+    """The object of `image` (uint8 `[H, W, 3]`) on the named background."""
+    pixels = np.asarray(image, dtype=np.float64)
+    if pixels.ndim != 3 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected an RGB image [H, W, 3], got shape {pixels.shape}")
+    h, w, _ = pixels.shape
+    distance = np.linalg.norm(pixels - np.asarray(BACKGROUNDS[background], dtype=np.float64), axis=-1)
+    component = _largest_component(distance > FOREGROUND_DISTANCE)
+    count = int(component.sum())
+    if count < MIN_PIXELS or count > h * w / 2:
+        return Reading(None, None, None, count)
+    ys, xs = np.nonzero(component)
+    colour = _nearest(pixels[component].mean(axis=0), COLOURS)
+    centroid = np.array([xs.mean() / w, ys.mean() / h])
+    position = _nearest(centroid, POSITIONS)
+    fill = count / float((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
+    shape = "square" if fill > SQUARE_FILL else "circle" if fill > CIRCLE_FILL else "triangle"
+    return Reading(colour, shape, position, count)
+
+
+def verify(image: np.ndarray, scene: Scene) -> dict[str, bool]:
+    """Per-attribute correctness of `image` for `scene`: colour, shape, position and all three."""
+    seen = read_scene(image, scene.background)
+    result = {
+        "colour": seen.colour == scene.colour,
+        "shape": seen.shape == scene.shape,
+        "position": seen.position == scene.position,
+    }
+    result["all"] = all(result.values())
+    return result
