@@ -15,8 +15,9 @@ a late answer at the next call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import ray
@@ -120,3 +121,20 @@ class CallbackHandler(logging.Handler):
             self.callback(record.levelno, f"{record.name}: {record.getMessage()}")
         except Exception:  # noqa: BLE001  (logging never raises into the code that logs)
             self.handleError(record)
+
+
+@contextlib.contextmanager
+def omni_core_logs_to(log: Callable[[int, str], None]) -> Iterator[None]:
+    """Within: records of `omni_core.*` loggers in this process (INFO and up: checkpoint retention, replay
+    buffer, TransferQueue) go to `log` as they happen, and only there (not a second time on stderr)."""
+    root = logging.getLogger(ROOT_LOGGER)
+    handler, level, propagate = CallbackHandler(log), root.level, root.propagate
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        root.propagate = propagate

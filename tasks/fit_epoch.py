@@ -11,10 +11,6 @@ which the trainer drains after every step (`omni_core.worker_logs`).
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Callable, Iterator
-
 from omniflow.tasks.gpu_slots import gpu_slot
 from omniflow.tasks.publish_reports import publish_card, publish_validation_grids
 from omniflow.tasks.retry_policy import retry_infrastructure_failures
@@ -27,7 +23,7 @@ from omni_core.data.prompts import PromptRecord
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.cards import checkpoint_card, epoch_metrics_rows
 from omni_core.trainers import build_diffusion_trainer
-from omni_core.worker_logs import ROOT_LOGGER, CallbackHandler
+from omni_core.worker_logs import omni_core_logs_to
 
 
 @task(
@@ -61,23 +57,6 @@ def fit_epoch(
             result = trainer.fit_epoch(epoch)
     _publish(result)
     return result
-
-
-@contextlib.contextmanager
-def omni_core_logs_to(log: Callable[[int, str], None]) -> Iterator[None]:
-    """Within: records of `omni_core.*` loggers in this process (INFO and up: checkpoint retention, replay
-    buffer, TransferQueue) go to `log` as they happen, and only there (not a second time on stderr)."""
-    root = logging.getLogger(ROOT_LOGGER)
-    handler, level, propagate = CallbackHandler(log), root.level, root.propagate
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-        root.propagate = propagate
 
 
 def _publish(result: EpochResult) -> None:

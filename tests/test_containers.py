@@ -114,7 +114,6 @@ def _render(configuration_cls, template: dict, job_variables: dict):
 
 
 def test_docker_gpu_job_variables_fit_prefect_dockers_template_and_request_every_gpu():
-    pytest.importorskip("prefect_docker", reason="the docker extra: pip install -e '.[docker]'")
     from docker.models.containers import RUN_HOST_CONFIG_KWARGS
     from docker.types import HostConfig
     from omniflow.deployments.definitions import DOCKER_POOL
@@ -139,7 +138,6 @@ def test_docker_gpu_job_variables_fit_prefect_dockers_template_and_request_every
 
 
 def test_kubernetes_template_is_prefects_default_plus_gpu_and_shared_volume():
-    pytest.importorskip("prefect_kubernetes", reason="the kubernetes extra: pip install -e '.[kubernetes]'")
     from prefect_kubernetes.worker import KubernetesWorker
 
     default = KubernetesWorker.get_default_base_job_template()
@@ -170,7 +168,6 @@ def test_kubernetes_template_is_prefects_default_plus_gpu_and_shared_volume():
 
 
 def test_kubernetes_gpu_job_variables_render_a_job_with_an_nvidia_gpu_limit():
-    pytest.importorskip("prefect_kubernetes", reason="the kubernetes extra: pip install -e '.[kubernetes]'")
     from omniflow.deployments.definitions import KUBERNETES_POOL, SHARED
     from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 

@@ -279,7 +279,6 @@ def test_served_and_pooled_deployments_come_from_one_definition(stack):
 def test_container_deployments_register_on_pools_of_prefects_own_templates(stack):
     """The docker pool has prefect-docker's default template, the kubernetes pool the example's; the server checks
     the templates (pool creation) and the deployments' job variables against them (deployment creation)."""
-    pytest.importorskip("prefect_docker", reason="the docker extra: pip install -e '.[docker]'")
     import json
 
     from omniflow.deployments.deploy import chosen_deployments, deploy_deployments
