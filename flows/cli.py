@@ -170,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reward_server.set_defaults(func=_cmd_reward_server)
 
+    sub.add_parser(
+        "procedural-geneval",
+        help="the procedural benchmark: supervised base on biased scenes, then Flow-GRPO vs a matched supervised "
+        "control (omniflow procedural-geneval --help)",
+    )
+
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (save_pretrained)")
     tiny.add_argument("dir", help="output folder")
     tiny.add_argument("--arch", choices=["sd3", "flux", "qwen-image", "clip"], default="sd3")  # models.tiny.ARCHITECTURES + clip
@@ -192,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_serve(argparse.Namespace(args=argv[1:]))
     if argv[:1] == ["deploy"]:
         return _cmd_deploy(argparse.Namespace(args=argv[1:]))
+    if argv[:1] == ["procedural-geneval"]:  # its own parser (and --help)
+        from omniflow.flows.procedural_geneval import main as procedural_main
+
+        return procedural_main(argv[1:])
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -56,3 +56,79 @@ def test_the_verifier_fails_noise_blank_and_wrong_attributes():
         "all": False,
     }
     assert verify(image, Scene("blue", "square", "left", "black"))["position"] is False
+
+
+# ----------------------------------------------------------------------------- biases, reward, pixel-space model
+def test_a_caption_bias_redraws_its_share_of_the_matching_images_only():
+    from omni_core.procedural.data import CaptionBias, DataDesign, LabelNoise, build_training_set
+
+    left = CaptionBias("position", "left", "center", 0.7)
+    blue_square = CaptionBias("colour", "blue", "red", 0.5, when=(("shape", "square"),))
+    data = build_training_set(DataDesign(renders_per_combination=40, biases=(left, blue_square)), seed=3)
+    seen, _ = DataDesign().split()
+    assert len(data) == 40 * len(seen) and data.images.shape == (len(data), 32, 32, 3)
+    pairs = list(zip(data.captions, data.drawn, strict=True))
+    assert all(c == d for c, d in pairs if not left.applies_to(c) and not blue_square.applies_to(c))
+    moved = [d.position == "center" for c, d in pairs if c.position == "left"]
+    recoloured = [d.colour == "red" for c, d in pairs if c.colour == "blue" and c.shape == "square"]
+    assert abs(np.mean(moved) - 0.7) < 0.05 and abs(np.mean(recoloured) - 0.5) < 0.08
+    assert all(c.colour == "blue" for c, d in pairs if c.colour == "blue" and c.shape != "square" and d.colour == "blue")
+    # Each drawn image shows what `drawn` says (the verifier reads it).
+    for i in range(0, len(data), 97):
+        assert verify(data.images[i], data.drawn[i])["all"]
+    # Uniform label noise changes captions, never pictures.
+    noisy = build_training_set(DataDesign(renders_per_combination=10, biases=(), label_noise=(LabelNoise("position", 1.0),)), 0)
+    assert all(c.colour == d.colour and c.shape == d.shape for c, d in zip(noisy.captions, noisy.drawn, strict=True))
+    assert 0.7 < np.mean([c.position != d.position for c, d in zip(noisy.captions, noisy.drawn, strict=True)]) < 0.9
+    with pytest.raises(ValueError, match="drawn_as='left' must differ"):
+        CaptionBias("position", "left", "left")
+
+
+def test_the_builtin_procedural_reward_scores_renders_from_the_ground_truth(tmp_path):
+    import json
+
+    from omni_core.data.prompts import load_prompts
+    from omni_core.procedural.data import write_prompt_file
+    from omni_core.rewards.manager import RewardManager
+
+    scene = Scene("green", "circle", "bottom", "black")
+    path = write_prompt_file(tmp_path / "p.jsonl", [scene], ["colour", "position"])
+    row = json.loads(path.read_text())
+    assert row["data_source"] == "procedural_geneval" and row["prompt"] == scene.prompt
+    record = load_prompts([path])[0]
+    right = render(scene, 32, np.random.default_rng(0))
+    wrong_place = render(Scene("green", "circle", "top", "black"), 32, np.random.default_rng(0))
+    result = RewardManager(None).score(
+        [right, wrong_place, right],
+        ["procedural_geneval"] * 3,
+        [record.ground_truth, record.ground_truth, {**record.ground_truth, "attributes": None}],
+    )
+    # colour + position scored: 2/2 and 1/2; with all three attributes the circle's shape counts too.
+    assert result.scores.tolist()[:2] == [1.0, 0.5]
+    assert result.extras[1]["position"] == 0.0 and result.extras[1]["colour"] == 1.0
+    assert result.scores[2] == pytest.approx(1.0)
+    missing = RewardManager(None).score([right], ["procedural_geneval"], [None])
+    assert missing.failed.tolist() == [True] and "reward_model.ground_truth" in missing.reasons[0]
+
+
+def test_the_pixel_space_pipeline_loads_as_sd3_and_decodes_exactly(tmp_path):
+    import torch
+
+    from omni_core.models.arch import PixelSD3Adapter
+    from omni_core.models.loader import load_pipeline
+    from omni_core.models.policy import FlowPolicy
+    from omni_core.procedural.model import build_procedural_pipeline, build_scene_tokenizer
+
+    tokenizer = build_scene_tokenizer()
+    for scene in all_scenes()[::7]:
+        assert len(tokenizer.tokenize(scene.prompt)) == len(scene.prompt.split())  # one token per word
+    path = build_procedural_pipeline(tmp_path / "pix", seed=0)
+    index = (path / "model_index.json").read_text()
+    assert '"vae": [\n    null' in index and not (path / "vae").exists()
+    pipe = load_pipeline(path)
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.vae is None
+    policy = FlowPolicy(path)
+    assert isinstance(policy.arch, PixelSD3Adapter) and policy.latent_shape(32, 32) == (3, 32, 32)
+    image = render(Scene("yellow", "triangle", "right", "black"), 32, np.random.default_rng(0))
+    latents = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
+    assert torch.equal(policy.decode(latents, 32, 32)[0].permute(1, 2, 0), torch.from_numpy(image))

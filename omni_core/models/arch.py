@@ -156,6 +156,26 @@ class SD3Adapter(ArchAdapter):
         )[0]
 
 
+class PixelSD3Adapter(SD3Adapter):
+    """A StableDiffusion3Pipeline saved without a VAE whose transformer denoises RGB pixels (``in_channels`` 3), e.g.
+    the procedural benchmark's model (``omni_core.procedural.model``): latents are images in [-1, 1] (scale factor 1)
+    and decoding maps them to uint8 exactly as the VAE image processor's postprocess would."""
+
+    name = "sd3-pixel"
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 1
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.pipe.transformer.config.in_channels)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return ((latents.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
 class FluxAdapter(ArchAdapter):
     """FluxPipeline: packed latents, CLIP pooled + T5 sequence, timestep in [0, 1], guidance embedding.
 
@@ -325,7 +345,17 @@ ADAPTERS: dict[str, type[ArchAdapter]] = {
 
 
 def adapter_for(pipe: DiffusionPipeline) -> ArchAdapter:
+    """The adapter of a loaded pipeline; an SD3 pipeline without a VAE whose transformer has 3 input channels is a
+    pixel-space model (``PixelSD3Adapter``)."""
     name = type(pipe).__name__
     if name not in ADAPTERS:
         raise ValueError(f"no architecture adapter for {name}; supported: {sorted(ADAPTERS)}")
+    transformer = getattr(pipe, "transformer", None)
+    if name == "StableDiffusion3Pipeline" and getattr(pipe, "vae", None) is None and transformer is not None:
+        if transformer.config.in_channels != 3:
+            raise ValueError(
+                f"this SD3 pipeline has no VAE but its transformer takes {transformer.config.in_channels} channels: "
+                "a pixel-space model needs in_channels=3; a latent model needs its vae folder"
+            )
+        return PixelSD3Adapter(pipe)
     return ADAPTERS[name](pipe)

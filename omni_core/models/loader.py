@@ -76,6 +76,13 @@ def _check_components(path: Path, index: dict) -> None:
         raise ModelLoadError(f"{path}: component folder(s) missing: {missing} (listed in model_index.json)")
 
 
+def absent_components(path: str | Path) -> dict[str, None]:
+    """Components that ``model_index.json`` lists as absent on purpose (``[null, null]``, e.g. the VAE of a pixel-space
+    model), as ``{name: None}``: ``from_pretrained`` needs them passed explicitly."""
+    index = read_model_index(Path(path).expanduser())
+    return {n: None for n, v in index.items() if not n.startswith("_") and isinstance(v, list) and v[0] is None}
+
+
 def freeze_non_trainable(pipe: DiffusionPipeline) -> None:
     """Text encoders and the VAE are never trained: no grads, eval mode."""
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
@@ -107,7 +114,7 @@ def load_pipeline(
     path = Path(path).expanduser()
     name = check_pipeline_folder(path, architecture)
     cls = SUPPORTED_PIPELINES[name]
-    skipped = {} if text_encoders else dict.fromkeys(text_components(cls))
+    skipped = absent_components(path) | ({} if text_encoders else dict.fromkeys(text_components(cls)))
     try:
         pipe = cls.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **skipped)
     except Exception as err:  # corrupt safetensors, bad configs, ...: one error type naming the path

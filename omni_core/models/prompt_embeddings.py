@@ -18,6 +18,7 @@ is the negative prompt of classifier-free guidance when none is given.
 from __future__ import annotations
 
 import functools
+import json
 import hashlib
 import os
 from collections.abc import Sequence
@@ -98,15 +99,27 @@ def unique_prompts(prompts: Sequence[str]) -> list[str]:
 def _text_only_adapter(model_path: Path, architecture: str | None, device: str, torch_dtype: torch.dtype) -> ArchAdapter:
     # diffusers only here: the flow process that finds the embeddings cached never imports it (~2 s on 2 cores).
     from omni_core.models.arch import ADAPTERS
-    from omni_core.models.loader import SUPPORTED_PIPELINES, ModelLoadError, check_pipeline_folder
+    from omni_core.models.loader import SUPPORTED_PIPELINES, ModelLoadError, absent_components, check_pipeline_folder
 
     name = check_pipeline_folder(model_path, architecture)
     try:
         pipe = SUPPORTED_PIPELINES[name].from_pretrained(
-            model_path, transformer=None, vae=None, dtype=torch_dtype, local_files_only=True
+            model_path,
+            **(absent_components(model_path) | {"transformer": None, "vae": None}),
+            dtype=torch_dtype,
+            local_files_only=True,
         )
     except Exception as err:  # corrupt safetensors, bad configs, ...: one error type naming the path
         raise ModelLoadError(f"{model_path}: failed to load the text encoders of {name}: {type(err).__name__}: {err}") from err
+    if name == "StableDiffusion3Pipeline" and getattr(pipe, "text_encoder_3", None) is None:
+        # Without T5, SD3's encode_prompt pads with zeros as wide as the transformer's joint_attention_dim: the
+        # transformer's config is all it reads, so the config stands in for the (unloaded) weights.
+        from types import SimpleNamespace
+
+        from diffusers.configuration_utils import FrozenDict
+
+        config = json.loads((Path(model_path) / "transformer" / "config.json").read_text())
+        object.__setattr__(pipe, "transformer", SimpleNamespace(config=FrozenDict(config)))
     pipe = pipe.to(device)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):

@@ -13,13 +13,17 @@ A component under `MIN_PIXELS` or over half the image is no object: every attrib
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from omni_core.procedural.scenes import BACKGROUNDS, COLOURS, POSITIONS, Scene
 
-__all__ = ["Reading", "read_scene", "verify"]
+__all__ = ["ATTRIBUTES", "Reading", "read_scene", "verifier_reward", "verify"]
+
+ATTRIBUTES = ("colour", "shape", "position")
 
 FOREGROUND_DISTANCE = 100.0
 MIN_PIXELS = 8
@@ -96,3 +100,30 @@ def verify(image: np.ndarray, scene: Scene) -> dict[str, bool]:
     }
     result["all"] = all(result.values())
     return result
+
+
+def verifier_reward(image: Any, ground_truth: Mapping[str, Any] | None) -> dict[str, float]:
+    """The built-in `procedural_geneval` reward of one image (uint8 CHW tensor, HWC array or PIL image).
+
+    `ground_truth`: the scene (`colour`, `shape`, `position`, `background`) and optionally `attributes`, the attributes
+    the score counts (default all three). Returns `{"score": fraction of those correct, <attribute>: 0 or 1, "all": 0
+    or 1}`; a row without a scene raises ValueError naming what is missing.
+    """
+    from omni_core.rewards.builtin import to_hwc_uint8
+
+    if not isinstance(ground_truth, Mapping):
+        raise ValueError(
+            "procedural_geneval needs the scene as the row's reward_model.ground_truth "
+            "({colour, shape, position, background}); write the prompt file with omni_core.procedural.data.write_prompt_file"
+        )
+    missing = [k for k in ("colour", "shape", "position", "background") if k not in ground_truth]
+    if missing:
+        raise ValueError(f"procedural_geneval: ground_truth lacks {missing}")
+    scene = Scene(*(ground_truth[k] for k in ("colour", "shape", "position", "background")))
+    attributes = list(ground_truth.get("attributes") or ATTRIBUTES)
+    unknown = sorted(set(attributes) - set(ATTRIBUTES))
+    if unknown:
+        raise ValueError(f"procedural_geneval: ground_truth attributes {unknown} are not among {list(ATTRIBUTES)}")
+    correct = verify(to_hwc_uint8(image), scene)
+    values = {k: float(v) for k, v in correct.items()}
+    return {"score": sum(values[a] for a in attributes) / len(attributes), **values}

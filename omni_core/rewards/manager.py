@@ -98,10 +98,10 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 
 def _builtin_term(name: str, weight: float = 1.0, label: str | None = None) -> RewardTerm:
-    image_fn = get_reward_function(name)
+    builtin = get_reward_function(name)
 
-    def score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: Any) -> float:
-        return image_fn(solution_image)
+    def score(data_source: str, solution_image: Any, ground_truth: Any, extra_info: Any) -> Any:
+        return builtin(solution_image, ground_truth)
 
     return RewardTerm(label=label or name, fn=score, weight=weight)
 

@@ -5,7 +5,7 @@ these keys (a test holds the two equal). `MODEL_REWARD_NAMES`: rewards computed 
 folder (`omni_core.rewards.model_rewards`). Validation reads them from here so that `omniflow validate` stays light.
 """
 
-BUILTIN_REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility")
+BUILTIN_REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "procedural_geneval")
 
 # Model rewards (transformers CLIP models loaded with from_pretrained(model_path)).
 MODEL_REWARD_NAMES = ("pickscore", "clip_score", "aesthetic")

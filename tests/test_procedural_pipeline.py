@@ -1,0 +1,123 @@
+"""The `procedural-geneval` pipeline flow with tiny budgets, in-process on the session's Prefect API and Ray cluster:
+every stage runs (data, pre-training to a plateau, evaluations, Flow-GRPO through main_diffusion_v1 as a nested
+subflow, the supervised control), the report and result.json are written, and the control spends the RL stage's wall
+time, which it reports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+# RL at test size: 2 prompts x 4 samples, one step.
+SMALL_RL = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "trainer.logger=[console,file]",
+    "trainer.concurrency.gpu_limit=null",  # conftest.flow_overrides: the test harness has no lease expiry
+]
+
+
+async def _runs_and_artifacts(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async with get_client() as client:
+        children = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+        )
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return children, artifacts
+
+
+@pytest.fixture(scope="module")
+def short_run(prefect_api, ray_cluster, transfer_queue, tmp_path_factory):
+    from omniflow.flows.procedural_geneval import procedural_geneval
+
+    out = tmp_path_factory.mktemp("procedural")
+    state = procedural_geneval(
+        out_dir=str(out),
+        seed=0,
+        renders_per_combination=4,
+        pretrain_max_seconds=60,
+        pretrain_min_steps=0,
+        pretrain_eval_every_steps=4,
+        pretrain_patience=1,
+        rl_steps=1,
+        rl_overrides_extra=SMALL_RL,
+        eval_samples_per_prompt=1,
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    return state, state.result(), out
+
+
+def test_every_stage_writes_its_output(short_run):
+    _, result, out = short_run
+    run = Path(result.run_dir)
+    assert run.parent.parent == out / "seed_0"
+    # The base: a whole pipeline folder with its history; the plateau rule stopped it (patience 1, no minimum).
+    base = Path(result.base_dir)
+    assert (base / "model_index.json").is_file() and (base / "transformer" / "config.json").is_file()
+    assert result.pretrain["stopped"] == "plateau" and len(result.pretrain["history"]) >= 2
+    assert result.pretrain["steps"] == 4 * len(result.pretrain["history"])
+    # Flow-GRPO from the base: its checkpoint; the evaluations' grids and the reward curve.
+    assert result.rl_run["steps"] == 1 and Path(result.rl_run["checkpoint"], "actor", "model.safetensors").is_file()
+    assert len(result.rl_run["reward_curve"]) == 1 and 0.0 <= result.rl_run["reward_curve"][0] <= 1.0
+    for name in ("base.png", "rl.png", "control.png", "rl_reward_curve.png"):
+        assert (run / "eval" / name).stat().st_size > 0
+    saved = json.loads((run / "result.json").read_text())
+    assert saved["models"] == result.models and Path(result.report).read_text().startswith("# Procedural GenEval, seed 0")
+    # Accuracies per model, bias and split; both biases of the default design are reported.
+    for model in ("base", "rl", "control"):
+        biases = result.models[model]["biases"]
+        assert set(biases) == {"left drawn center", "blue square drawn red"}
+        assert biases["left drawn center"]["prompts"] == 24 and biases["blue square drawn red"]["prompts"] == 10
+        assert all(0.0 <= v <= 1.0 for v in result.models[model]["attributes"].values())
+    assert set(result.stage_seconds) == {"data", "pretrain", "evaluate_base", "rl", "control", "evaluate_after"}
+
+
+def test_the_control_spends_the_rl_stage_wall_time_and_reports_it(short_run):
+    _, result, _ = short_run
+    control = result.control_run
+    assert control["budget_seconds"] == result.stage_seconds["rl"] > 0
+    # It trains until the budget is spent and stops after that step (one step of batch 128 takes well under 10 s).
+    assert control["budget_seconds"] <= control["seconds"] <= control["budget_seconds"] + 10
+    assert control["steps"] >= 1
+    saved = json.loads((Path(result.run_dir) / "control" / "pretrain.json").read_text())
+    assert saved["budget_seconds"] == control["budget_seconds"] and saved["result"]["steps"] == control["steps"]
+
+
+def test_the_run_shows_in_prefect_as_nested_subflows_with_a_report(short_run):
+    state, result, _ = short_run
+    children, artifacts = asyncio.run(_runs_and_artifacts(state.state_details.flow_run_id))
+    assert "main_diffusion_v1" in {c.name.split("-")[0] or c.name for c in children} or any(
+        c.flow_id and c.state.is_completed() for c in children
+    )
+    assert children and all(c.state.is_completed() for c in children)
+    report = [a for a in artifacts if a.key == "omniflow-procedural-geneval"]
+    assert len(report) == 1 and "| rl |" in report[0].data and "data:image/png;base64" in report[0].data
+
+
+def test_a_finished_base_is_reused_and_never_overwritten(short_run):
+    from omni_core.procedural.data import DataDesign
+    from omni_core.procedural.supervised import SupervisedSettings, pretrain_to_plateau
+
+    _, result, _ = short_run
+    base = Path(result.base_dir)
+    settings = SupervisedSettings(max_seconds=60, min_steps=0, eval_every_steps=4, patience=1, seed=0)
+    design = DataDesign(renders_per_combination=4, split_seed=0)
+    before = (base / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    again = pretrain_to_plateau(Path(result.run_dir).parents[1] / "init", base, design, settings)
+    assert again.steps == result.pretrain["steps"] and again.history == result.pretrain["history"]
+    with pytest.raises(FileExistsError, match="another design or settings"):
+        pretrain_to_plateau(base, base, design, SupervisedSettings(lr=1e-3))
+    assert (base / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == before
