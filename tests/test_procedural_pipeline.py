@@ -26,7 +26,12 @@ SMALL_RL = [
 
 async def _runs_and_artifacts(flow_run_id):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
 
     async with get_client() as client:
         children = await client.read_flow_runs(

@@ -18,8 +18,8 @@ is the negative prompt of classifier-free guidance when none is given.
 from __future__ import annotations
 
 import functools
-import json
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
