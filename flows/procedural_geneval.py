@@ -82,7 +82,7 @@ def procedural_geneval(
     pretrain_min_steps: Annotated[int, Field(ge=0)] = 600,
     pretrain_eval_every_steps: Annotated[int, Field(ge=1)] = 150,
     pretrain_patience: Annotated[int, Field(ge=1)] = 2,
-    rl_steps: Annotated[int, Field(ge=1)] = 60,
+    rl_steps: Annotated[int, Field(ge=1)] = 80,
     rl_overrides_extra: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)
     eval_samples_per_prompt: Annotated[int, Field(ge=1, le=16)] = 2,
 ) -> ProceduralResult:
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omniflow procedural-geneval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", default="outputs/procedural-geneval")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rl-steps", type=int, default=60)
+    parser.add_argument("--rl-steps", type=int, default=80)
     parser.add_argument("--pretrain-max-seconds", type=float, default=600.0)
     parser.add_argument("--pretrain-min-steps", type=int, default=600)
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the Flow-GRPO run")
