@@ -58,6 +58,7 @@ from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.faults import is_transfer_queue_lost
 from omni_core.records import EpochResult, RunInfo
+from omni_core.reports.plots import step_noise
 from omni_core.validation.paths import validate_resume
 
 # `.result()` of an epoch is bounded too; a hung epoch fails the run instead of holding it forever.
@@ -79,6 +80,11 @@ class TrainResult(BaseModel):
     val_metrics: dict[str, float] = Field(default_factory=dict, description="Metrics of the last validation.")
     reward_first: float = Field(description=f"Mean critic/rewards/mean of the first {REWARD_WINDOW} steps of this run.")
     reward_last: float = Field(description=f"Mean critic/rewards/mean of the last {REWARD_WINDOW} steps of this run.")
+    reward_step_noise: float | None = Field(
+        default=None,
+        description="Step-to-step noise of critic/rewards/mean (std of consecutive differences / sqrt 2); "
+        "None under 3 steps. (reward_last - reward_first) / reward_step_noise says how far learning stands out of it.",
+    )
     checkpoint_dir: str = Field(description="The run's checkpoint folder.")
     log_dir: str = Field(description="The run's metrics (metrics.jsonl, TensorBoard) folder.")
 
@@ -235,6 +241,7 @@ def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None =
         val_metrics=val,
         reward_first=sum(first) / len(first) if first else math.nan,
         reward_last=sum(last) / len(last) if last else math.nan,
+        reward_step_noise=None if math.isnan(noise := step_noise(rewards)) else noise,
         checkpoint_dir=run.checkpoint_dir,
         log_dir=run.log_dir,
     )

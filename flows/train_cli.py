@@ -46,9 +46,12 @@ def _report(result: Any) -> None:
         "omniflow-reward-curve, omniflow-epoch-metrics, omniflow-checkpoint, omniflow-progress (Prefect UI)"
     )
     print(f"  mean reward, first steps: {result.reward_first:.6f}")
-    print(
-        f"  mean reward, last steps:  {result.reward_last:.6f}  ({'higher' if result.reward_last > result.reward_first else 'not higher'})"
-    )
+    change = result.reward_last - result.reward_first
+    verdict = "higher" if change > 0 else "not higher"
+    noise = getattr(result, "reward_step_noise", None)
+    if noise:  # how far the change stands out of the step-to-step noise
+        verdict += f" by {change / noise:+.1f} x the step-to-step noise sd {noise:.6f}"
+    print(f"  mean reward, last steps:  {result.reward_last:.6f}  ({verdict})")
     if result.val_metrics:
         print(f"  validation:       {result.val_metrics}")
     home = os.environ.get("PREFECT_HOME")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_core.reports import image_grid, png_data_uri, reward_trend, save_image_grid, save_reward_curve, trend_line
+from omni_core.reports import image_grid, png_data_uri, reward_trend, save_image_grid, save_reward_curve, step_noise, trend_line
 
 
 def test_image_grid_puts_each_image_in_its_tile():
@@ -28,6 +28,14 @@ def test_save_image_grid_writes_a_png_and_its_data_uri(tmp_path):
     path = save_image_grid(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), tmp_path / "a" / "g.png", ncols=4)
     assert Image.open(path).size == (4 * 8 + 5 * 2, 8 + 2 * 2)
     assert png_data_uri(path).startswith("data:image/png;base64,iVBORw0KGgo")  # the PNG signature, base64
+
+
+def test_step_noise_ignores_a_steady_trend_and_measures_the_jitter():
+    assert step_noise([0.1 * t for t in range(20)]) == pytest.approx(0.0, abs=1e-12)  # a pure trend is no noise
+    # [0, 1, 0, 1]: differences 1, -1, 1 (mean 1/3); sum of squared deviations 24/9, / 2 dof, / 2 -> 2/3.
+    assert step_noise([0, 1, 0, 1]) == pytest.approx(math.sqrt(2 / 3))
+    assert step_noise([5, 6, 5, 6]) == pytest.approx(step_noise([0, 1, 0, 1]))  # shift-free
+    assert math.isnan(step_noise([1.0, 2.0]))
 
 
 def test_reward_trend_compares_first_and_last_three_steps():

@@ -21,6 +21,18 @@ def reward_trend(rewards: Sequence[float], window: int = WINDOW) -> tuple[float,
     return first, last, "up" if last > first else "down" if last < first else "flat"
 
 
+def step_noise(rewards: Sequence[float]) -> float:
+    """The step-to-step noise of a run's mean reward: the standard deviation of one step's value around a slow trend,
+    estimated from consecutive differences, `std(r[t+1] - r[t]) / sqrt(2)` (a trend that moves little per step
+    barely adds to it). NaN with fewer than 3 steps."""
+    values = [r for r in rewards if not math.isnan(r)]
+    if len(values) < 3:
+        return math.nan
+    diffs = [b - a for a, b in zip(values, values[1:], strict=False)]
+    mean = sum(diffs) / len(diffs)
+    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / 2)
+
+
 def trend_line(rewards: Sequence[float], window: int = WINDOW) -> str:
     """`mean reward -0.008577 -> -0.008505 (up)`: first and last `window` steps."""
     first, last, verdict = reward_trend(rewards, window)
