@@ -28,9 +28,9 @@ from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 from omniflow.flows.runner import shutdown_ray
 from omniflow.tasks.procedural import build_procedural_data, evaluate_procedural, pretrain_base, supervised_control
 from omniflow.tasks.publish_reports import publish_card
+from omniflow.tasks.validate_config import validate_config
 from pydantic import BaseModel, Field
 
-from omni_core.config import resolve_config
 from omni_core.procedural.data import CaptionBias, DataDesign, LabelNoise
 from omni_core.procedural.report import guard_drop, headline, report_markdown
 from omni_core.procedural.stages import reward_curve, rl_overrides
@@ -55,14 +55,32 @@ class ProceduralResult(BaseModel):
     report: str = Field(description="The report (markdown) file.")
 
 
+def _condition(pairs: list[str]) -> tuple[tuple[str, str], ...]:
+    """`["shape=square"]` -> `(("shape", "square"),)`; anything else names the parameter and the form."""
+    out = []
+    for pair in pairs:
+        attribute, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"colour_bias_when: {pair!r} is not attribute=value (e.g. shape=square, background=black)")
+        out.append((attribute.strip(), value.strip()))
+    return tuple(out)
+
+
 def design_from(
-    seed: int, position_bias: float, colour_bias: float, label_noise: float, n_held_out: int, renders: int
+    seed: int,
+    position_bias: float,
+    colour_bias: float,
+    label_noise: float,
+    n_held_out: int,
+    renders: int,
+    colour_bias_when: list[str] | None = None,
 ) -> DataDesign:
     biases = []
     if position_bias > 0:
         biases.append(CaptionBias("position", "left", "center", position_bias))
     if colour_bias > 0:
-        biases.append(CaptionBias("colour", "blue", "red", colour_bias, when=(("shape", "square"),)))
+        when = _condition(["shape=square"] if colour_bias_when is None else colour_bias_when)
+        biases.append(CaptionBias("colour", "blue", "red", colour_bias, when=when))
     noise = (LabelNoise("position", label_noise),) if label_noise > 0 else ()
     return DataDesign(
         renders_per_combination=renders, n_held_out=n_held_out, split_seed=seed, biases=tuple(biases), label_noise=noise
@@ -75,6 +93,7 @@ def procedural_geneval(
     seed: Annotated[int, Field(ge=0)] = 0,
     position_bias: Annotated[float, Field(ge=0, le=1)] = 0.7,
     colour_bias: Annotated[float, Field(ge=0, le=1)] = 0.7,
+    colour_bias_when: list[str] = ["shape=square"],  # noqa: B006
     label_noise: Annotated[float, Field(ge=0, le=1)] = 0.0,
     n_held_out: Annotated[int, Field(ge=0, le=100)] = 24,
     renders_per_combination: Annotated[int, Field(ge=1)] = 100,
@@ -93,6 +112,8 @@ def procedural_geneval(
         seed: Seed of the held-out split, the renders, the model's initial weights and the runs' noise.
         position_bias: Share of the "on the left" training images drawn in the center (0: no such bias).
         colour_bias: Share of the "blue square" training images drawn red (0: no such bias).
+        colour_bias_when: Which "blue" images the colour bias applies to, as attribute=value pairs (default
+            shape=square; [] for every blue image; background=black for those on black).
         label_noise: Share of the position labels replaced by a random position (uniform noise).
         n_held_out: Combinations (of 120) kept out of all training and evaluated separately.
         renders_per_combination: Jittered training images per seen combination.
@@ -104,7 +125,7 @@ def procedural_geneval(
         rl_overrides_extra: `key.path=value` overrides of the Flow-GRPO run on top of the benchmark's settings.
         eval_samples_per_prompt: Samples per scene in each evaluation (all 120 scenes, fixed seeds).
     """
-    design = design_from(seed, position_bias, colour_bias, label_noise, n_held_out, renders_per_combination)
+    design = design_from(seed, position_bias, colour_bias, label_noise, n_held_out, renders_per_combination, colour_bias_when)
     settings = SupervisedSettings(
         max_seconds=pretrain_max_seconds,
         min_steps=pretrain_min_steps,
@@ -122,8 +143,9 @@ def procedural_geneval(
     seconds["data"] = time.monotonic() - clock
     rl_args = [*rl_overrides(data, data.init_model, run_dir / "rl", rl_steps), f"actor_rollout_ref.rollout.seed={seed}"]
     rl_args += list(rl_overrides_extra)
-    # Bad RL overrides fail here, before any training (checked against the random model; the base replaces it).
-    cfg = resolve_config(None, rl_args, [])
+    # Bad RL overrides fail here, before any training: the main flow's own checks, against the random model (the
+    # base replaces it once trained).
+    cfg = validate_config(None, rl_args, [])
     owns_ray = connect_ray(cfg)
     try:
         clock = time.monotonic()
@@ -209,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rl-steps", type=int, default=80)
     parser.add_argument("--pretrain-max-seconds", type=float, default=600.0)
     parser.add_argument("--pretrain-min-steps", type=int, default=600)
+    parser.add_argument(
+        "--colour-bias-when", default="shape=square", help="comma-separated attribute=value pairs ('' for every blue image)"
+    )
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the Flow-GRPO run")
     ns = parser.parse_args(argv)
     parameters = {
@@ -218,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pretrain_max_seconds": ns.pretrain_max_seconds,
         "pretrain_min_steps": ns.pretrain_min_steps,
         "rl_overrides_extra": ns.overrides,
+        "colour_bias_when": [p for p in ns.colour_bias_when.split(",") if p.strip()],
     }
     return run_flow_from_cli("procedural-geneval", "omniflow.flows.procedural_geneval:procedural_geneval", parameters, _report)
 

@@ -132,3 +132,17 @@ def test_the_pixel_space_pipeline_loads_as_sd3_and_decodes_exactly(tmp_path):
     image = render(Scene("yellow", "triangle", "right", "black"), 32, np.random.default_rng(0))
     latents = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
     assert torch.equal(policy.decode(latents, 32, 32)[0].permute(1, 2, 0), torch.from_numpy(image))
+
+
+def test_the_flow_parameters_make_the_designed_biases():
+    from omniflow.flows.procedural_geneval import design_from
+
+    design = design_from(1, 0.7, 0.5, 0.2, 24, 10, ["background=black"])
+    left, blue = design.biases
+    assert (left.attribute, left.value, left.drawn_as, left.fraction) == ("position", "left", "center", 0.7)
+    assert (blue.attribute, blue.drawn_as, blue.fraction, blue.when) == ("colour", "red", 0.5, (("background", "black"),))
+    assert design.label_noise[0].fraction == 0.2 and design.split_seed == 1
+    assert design_from(0, 0.7, 0.7, 0.0, 24, 100, None).biases[1].when == (("shape", "square"),)
+    assert [b.attribute for b in design_from(0, 0.0, 0.7, 0.0, 24, 100, []).biases] == ["colour"]
+    with pytest.raises(ValueError, match="colour_bias_when: 'square' is not attribute=value"):
+        design_from(0, 0.7, 0.7, 0.0, 24, 100, ["square"])

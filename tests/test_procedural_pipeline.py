@@ -87,6 +87,7 @@ def test_every_stage_writes_its_output(short_run):
         biases = result.models[model]["biases"]
         assert set(biases) == {"left drawn center", "blue square drawn red"}
         assert biases["left drawn center"]["prompts"] == 24 and biases["blue square drawn red"]["prompts"] == 10
+        assert biases["left drawn center"]["samples"] == 24  # one sample per prompt (eval_samples_per_prompt=1)
         assert all(0.0 <= v <= 1.0 for v in result.models[model]["attributes"].values())
     assert set(result.stage_seconds) == {"data", "pretrain", "evaluate_base", "rl", "control", "evaluate_after"}
 

@@ -58,7 +58,8 @@ class SceneEvaluation:
             hit = self.mask(lambda s, h, b=bias: b.applies_to(s))
             out["biases"][bias.label] = {
                 "attribute": bias.attribute,
-                "prompts": int(hit.sum()),
+                "prompts": len({s for s, h in zip(self.scenes, hit, strict=True) if h}),
+                "samples": int(hit.sum()),
                 "all": self.accuracy(bias.attribute, hit),
                 "seen": self.accuracy(bias.attribute, hit & seen),
                 "held_out": self.accuracy(bias.attribute, hit & held),

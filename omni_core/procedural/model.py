@@ -98,8 +98,8 @@ def _text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
     )
     encoder = CLIPTextModelWithProjection(config)
     # Unit-scale word embeddings (CLIP initialises them at std 0.02): the frozen encoder's features then reach the
-    # transformer at the scale of a trained encoder's, instead of ~50x smaller (measured: the supervised base took
-    # about 4x longer to start reading colour and position from the small ones).
+    # transformer at the scale of a trained encoder's, instead of ~50x smaller (one run each, 600 supervised steps:
+    # colour 77% / position 66% with these, 50% / 37% with CLIP's initialisation).
     torch.nn.init.normal_(encoder.text_model.embeddings.token_embedding.weight, std=1.0)
     return encoder
 

@@ -19,7 +19,7 @@ def headline(summary: Mapping) -> dict:
     held-out); each attribute and all attributes together, on all / seen / held-out combinations."""
     out = {
         "biases": {
-            label: {k: b[k] for k in ("attribute", "prompts", "all", "seen", "held_out", "all_attributes")}
+            label: {k: b[k] for k in ("attribute", "prompts", "samples", "all", "seen", "held_out", "all_attributes")}
             for label, b in summary["biases"].items()
         },
         "attributes": {a: summary["overall"][a]["all"] for a in (*ATTRIBUTES, "all")},

@@ -38,7 +38,7 @@ from omni_core.procedural.supervised import (
 from omni_core.reports.images import save_image_grid
 
 __all__ = [
-    "GRID_PROMPTS",
+    "grid_scenes",
     "ProceduralData",
     "evaluate_model",
     "prepare_data",
@@ -99,9 +99,6 @@ def grid_scenes(design: DataDesign) -> list[Scene]:
         picked += [s for s in held if bias.applies_to(s)][:2] + [s for s in seen if bias.applies_to(s)][:2]
     picked += [s for s in seen if not any(b.applies_to(s) for b in design.biases)][:4]
     return list(dict.fromkeys(picked))[:12]
-
-
-GRID_PROMPTS = grid_scenes
 
 
 def evaluate_model(
