@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from omni_core.procedural.scenes import COLOURS, POSITIONS, SHAPES, Scene, all_scenes, held_out_split, render
+from omni_core.procedural.scenes import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, Scene, all_scenes, held_out_split, render
 
 __all__ = [
     "DATA_SOURCE",
@@ -59,7 +59,7 @@ class CaptionBias:
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"CaptionBias: fraction={self.fraction} must be in (0, 1]")
         for attribute, value in self.when:
-            if value not in VALUES.get(attribute, ()):
+            if value not in {**VALUES, "background": tuple(BACKGROUNDS)}.get(attribute, ()):
                 raise ValueError(f"CaptionBias: when {attribute}={value!r} is not a scene attribute value")
 
     def applies_to(self, scene: Scene) -> bool:
