@@ -37,7 +37,9 @@ FLOW, DEPLOYMENT = "main_diffusion_v1", "tiny-sd3-on-demand"
 GPU_LIMIT = "test-gpu"
 CANCEL_BOUND_S = 10.0  # the feature: a cancelled run's processes are gone this soon after the request
 RUN_TIMEOUT_S = 300
-STEPS = 8  # one epoch of 8 steps (16 prompts, 2 per step), a checkpoint after each
+# One epoch of 12 steps (24 prompts, 2 per step), a checkpoint after each: the cancel, sent at the first checkpoint,
+# must land mid-epoch (with 8 steps a quick machine once finished the epoch first: the test then saw no cancel).
+STEPS = 12
 
 
 @dataclass

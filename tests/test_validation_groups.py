@@ -272,7 +272,11 @@ def test_light_name_lists_equal_the_registries():
 
     assert set(ADV_ESTIMATORS) == set(ADV_ESTIMATOR_NAMES) == {"flow_grpo", "dance_grpo"}
     assert set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo"}
-    assert set(REWARD_FUNCTIONS) == set(BUILTIN_REWARD_NAMES) == {"jpeg_compressibility", "jpeg_incompressibility"}
+    assert (
+        set(REWARD_FUNCTIONS)
+        == set(BUILTIN_REWARD_NAMES)
+        == {"jpeg_compressibility", "jpeg_incompressibility", "procedural_geneval"}
+    )
     get_diffusion_trainer_cls("sync")  # registers the built-in modes
     assert set(BUILTIN_MODES) <= set(DIFFUSION_TRAINER_REGISTRY) and set(BUILTIN_MODES) == {"sync", "separate_async"}
 
