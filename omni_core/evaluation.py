@@ -74,12 +74,17 @@ def load_policy(config: OmniFlowConfig, checkpoint: str | Path | None) -> FlowPo
     Text encoders stay: any prompt may be evaluated."""
     policy = FlowPolicy.from_model_config(config.actor_rollout_ref.model, **rollout_policy_kwargs(config, None))
     if checkpoint is not None:
-        # The files TrainingActor.save writes (full state, or the LoRA adapter; the EMA has the same keys).
-        actor = Path(checkpoint) / ACTOR_DIR
-        name = EMA_NAME if (actor / f"{EMA_NAME}.safetensors").is_file() else MODEL_NAME
-        policy.load_trainable_state(read_tensors(actor, name))
+        load_checkpoint_weights(policy, checkpoint)
     policy.transformer.eval()
     return policy
+
+
+def load_checkpoint_weights(policy: FlowPolicy, checkpoint: str | Path) -> None:
+    """Load a training checkpoint's weights into `policy`: `actor/ema.safetensors` when the run kept an EMA, else
+    `actor/model.safetensors` (the files TrainingActor.save writes: full state, or the LoRA adapter)."""
+    actor = Path(checkpoint) / ACTOR_DIR
+    name = EMA_NAME if (actor / f"{EMA_NAME}.safetensors").is_file() else MODEL_NAME
+    policy.load_trainable_state(read_tensors(actor, name))
 
 
 def evaluate_policy(

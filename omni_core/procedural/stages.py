@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-from omni_core.checkpoint.files import read_tensors
-from omni_core.checkpoint.layout import ACTOR_DIR, EMA_NAME
-from omni_core.evaluation import MODEL_NAME
+from omni_core.evaluation import load_checkpoint_weights
 from omni_core.models.policy import FlowPolicy
 from omni_core.procedural.data import DataDesign, write_prompt_file
 from omni_core.procedural.evaluation import evaluate_scenes
@@ -84,9 +82,7 @@ def load_model(model_dir: str | Path, checkpoint: str | Path | None = None) -> F
     """The pipeline in `model_dir`, with a training checkpoint's weights (its EMA when it kept one) if given."""
     policy = FlowPolicy(model_dir, trainable=False, device=default_device())
     if checkpoint is not None:
-        actor = Path(checkpoint) / ACTOR_DIR
-        name = EMA_NAME if (actor / f"{EMA_NAME}.safetensors").is_file() else MODEL_NAME
-        policy.load_trainable_state(read_tensors(actor, name))
+        load_checkpoint_weights(policy, checkpoint)
     return policy
 
 
