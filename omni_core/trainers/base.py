@@ -73,6 +73,16 @@ LOG_DRAIN_WAIT_S = 1.0
 LOG_DRAIN_WAIT_AT_EPOCH_END_S = 5.0
 
 
+def step_advantages(algorithm: Any, rewards: torch.Tensor, failed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """A training step's advantages `[B]` from its rewards, failure flags and prompt groups (each `[B]`), as `step`
+    computes them: `algorithm.adv_estimator` over the samples whose reward did not fail; a failed sample gets advantage
+    0 (no policy gradient) and stays out of the group statistics."""
+    advantages = torch.zeros_like(rewards)
+    ok = ~failed
+    advantages[ok] = compute_advantages(algorithm, rewards[ok], group[ok])
+    return advantages
+
+
 def cpu_threads(parallel_workers: int, cores_taken: int = 0) -> int:
     """torch threads per busy worker so that busy threads add up to the cores left after `cores_taken` (Ray
     would set 1)."""
@@ -415,10 +425,8 @@ class PolicyGradientDiffusionTrainerV1:
                 check_failure_share(
                     num_failed, len(keys), self.config.reward.max_failure_ratio, list(batch.failed_uids.values()), step=step
                 )
-                # Failed samples: advantage 0 (no policy gradient) and left out of the group statistics.
-                advantages = torch.zeros_like(rewards)
+                advantages = step_advantages(self.config.algorithm, rewards, failed, group)
                 ok = ~failed
-                advantages[ok] = compute_advantages(self.config.algorithm, rewards[ok], group[ok])
             assert self.ranks is not None
             actor_metrics = self.ranks.train_step(
                 self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S, staleness=self._staleness_of(batch)
