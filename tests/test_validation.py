@@ -330,8 +330,35 @@ def test_attention_pairs_that_are_valid():
         )
 
 
+def test_detect_device_prefers_cuda_then_npu_then_cpu():
+    from omni_core.device import detect_device
+
+    assert detect_device({"cuda": 2, "npu": 0, "cpu": 8}) == "cuda"
+    assert detect_device({"cuda": 1, "npu": 4, "cpu": 8}) == "cuda"
+    assert detect_device({"cuda": 0, "npu": 1, "cpu": 8}) == "npu"
+    assert detect_device({"cuda": 0, "npu": 0, "cpu": 8}) == "cpu"
+
+
+def _present_device() -> str:
+    """What this machine has, asked of torch (and torch_npu when installed) directly, not through omni_core.device."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return "cuda"
+    if importlib.util.find_spec("torch_npu") is not None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        if torch.npu.device_count() > 0:  # type: ignore[attr-defined]
+            return "npu"
+    return "cpu"
+
+
 def test_auto_set_device_resolves_and_rejects_absent_devices():
-    assert auto_set_device(load_config()).trainer.device in ("cpu", "cuda", "npu")
+    # auto is the device this machine has: never an absent one (a CPU machine gets cpu, not cuda).
+    assert auto_set_device(load_config()).trainer.device == _present_device()
+    assert auto_set_device(load_config(overrides=["trainer.device=cpu"])).trainer.device == "cpu"
     import torch
 
     if not torch.cuda.is_available():
