@@ -138,7 +138,7 @@ def flow_prompts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def flow_overrides(tiny_sd3_dir, flow_prompts) -> list[str]:
-    """A lean main-job config for tests: 2 epochs x 1 step of 2 prompts x 4 samples, 32 px, 4 steps."""
+    """A lean main-job config for tests: 2 epochs x 1 step of 2 prompts x 4 samples, 32 px, 4 steps, cosine lr."""
     return [
         f"actor_rollout_ref.model.path={tiny_sd3_dir}",
         f"data.train_files={flow_prompts / 'train.txt'}",
@@ -153,6 +153,11 @@ def flow_overrides(tiny_sd3_dir, flow_prompts) -> list[str]:
         "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4",
         "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
         "trainer.total_epochs=2",
+        # A schedule whose lr differs at every step, so that each run compared with another (resumed, retried, killed)
+        # also compares the LR scheduler's restored state: a resume with a fresh scheduler runs its next step at lr x 1
+        # instead of x 0.5 (2 steps: x 1, then 0.5 * (1 + cos(pi / 2)) = x 0.5). Not a warm-up: its first step runs at
+        # lr 0 (HF / verl convention), so a one-step run of this config would not train at all.
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
         "trainer.logger=[console,file]",
         # No GPU slot: the session's Prefect test harness runs no lease-expiry service, so a slot held by a run that a
         # test SIGKILLs would never come back and the resumed run would wait for it forever. The concurrency tests
