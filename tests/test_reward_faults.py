@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages
 from omni_core.rewards.failures import RewardFailureError, check_failure_share
 from omni_core.rewards.manager import RewardFailureError as ExportedRewardFailureError
 from omni_core.rewards.manager import RewardManager
@@ -54,7 +53,11 @@ def write(tmp_path: Path, name: str, source: str) -> Path:
 
 
 def test_failed_rewards_below_the_ratio_get_advantage_zero_and_above_it_fail_the_step(tmp_path):
-    """Two groups of four; the trainer's rule (`check_failure_share`, then advantages over the survivors)."""
+    """Two groups of four; the trainer's rule as its step runs it: `check_failure_share`, then `step_advantages`
+    (advantages over the survivors, 0 for a failed sample) with the run's `algorithm` section."""
+    from omni_core.config import load_config
+    from omni_core.trainers.base import step_advantages
+
     manager = RewardManager(reward_cfg(write(tmp_path, "flaky.py", FAILING_REWARD)))
     images = torch.zeros(8, 3, 8, 8, dtype=torch.uint8)
     values = [1.0, 3.0, 0.0, 2.0, 5.0, 5.0, 7.0, 7.0]
@@ -66,13 +69,19 @@ def test_failed_rewards_below_the_ratio_get_advantage_zero_and_above_it_fail_the
     assert reasons == ["flaky.compute_score: ValueError: returned non-finite score nan"]
 
     check_failure_share(1, 8, 0.125, reasons, step=1)  # 12.5% <= 0.125: trains on the other 7
-    ok = ~result.failed
     group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    advantages = torch.zeros(8)
-    advantages[ok] = compute_flow_grpo_advantages(result.scores[ok], group[ok], norm_adv_by_std=False)
+    dr_grpo = load_config(overrides=["algorithm.norm_adv_by_std_in_grpo=false"]).algorithm
+    advantages = step_advantages(dr_grpo, result.scores, result.failed, group)
     # Group 0 without the failed sample: rewards 1, 3, 2 -> mean 2 -> advantages -1, +1, 0; the NaN never
     # reaches the mean (with it the whole group would be NaN). Group 1: 5, 5, 7, 7 -> mean 6 -> -1, -1, +1, +1.
     assert advantages.tolist() == [-1.0, 1.0, 0.0, 0.0, -1.0, -1.0, 1.0, 1.0]
+    # The default (flow_grpo, global std): the same deviations over the batch std of the 7 survivors' rewards
+    # (1, 3, 2, 5, 5, 7, 7; unbiased, + eps 1e-4); the failed sample stays 0 and out of the std.
+    default = step_advantages(load_config().algorithm, result.scores, result.failed, group)
+    survivors = torch.tensor([1.0, 3.0, 2.0, 5.0, 5.0, 7.0, 7.0])
+    expected = torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, -1.0, 1.0, 1.0]) / (survivors.std() + 1e-4)
+    torch.testing.assert_close(default, expected)
+    assert default[2] == 0.0
 
     with pytest.raises(RewardFailureError, match=r"step 1: 1 of 8 samples .*reward\.max_failure_ratio=0\.1\b") as err:
         check_failure_share(1, 8, 0.1, reasons, step=1)
