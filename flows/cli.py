@@ -117,6 +117,67 @@ def _cmd_alerts(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from omni_core.checkpoint.export import export_trained_checkpoint
+    from omni_core.checkpoint.trained import RefusedError
+
+    try:
+        info = export_trained_checkpoint(ns.checkpoint, ns.out, format=ns.format, ema=ns.ema, base_model=ns.base_model)
+    except RefusedError as exc:
+        print(f"omniflow export: {exc}", file=sys.stderr)
+        return 2
+    weights = "the EMA weights (the run kept an EMA)" if info.weights == "ema" else "the trained weights"
+    load = (
+        f"pipe = DiffusionPipeline.from_pretrained({info.base_model!r}); pipe.load_lora_weights({info.out_dir!r})"
+        if info.kind == "lora"
+        else f"DiffusionPipeline.from_pretrained({info.out_dir!r})"
+    )
+    print(f"exported {info.checkpoint} (step {info.step}) as {info.format}, {weights}, to {info.out_dir}; load: {load}")
+    return 0
+
+
+def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a global_step_N checkpoint folder, or an experiment folder (its newest)")
+    parser.add_argument("args", nargs="*", help="key.path=value overrides of the config saved with the checkpoint")
+    parser.add_argument("--prompts", help="prompt file (.txt one per line, .jsonl, .parquet); default: the validation prompts")
+    parser.add_argument("--seed", type=int, help="base seed of the noise, shared by both (default rollout.val_kwargs.seed)")
+    parser.add_argument("--samples", type=int, help="samples per prompt (default rollout.val_kwargs.n)")
+    parser.add_argument("--out", help="new or empty report folder (default: evaluate-global_step_N next to the checkpoint)")
+
+
+def _evaluate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omniflow evaluate", description="The base model against a checkpoint: same prompts, same seeds, the run's reward."
+    )
+    _add_evaluate_arguments(parser)
+    return parser
+
+
+def _cmd_evaluate(ns: argparse.Namespace) -> int:
+    from omni_core.checkpoint.trained import RefusedError
+    from omni_core.config import ConfigError
+    from omni_core.evaluation import evaluate_trained_checkpoint
+
+    files, overrides = split_files_and_overrides(ns.args)
+    try:
+        if files:
+            raise RefusedError(
+                f"{files[0]}: after CHECKPOINT only key.path=value overrides are taken (the config is the one saved with it)"
+            )
+        result = evaluate_trained_checkpoint(ns.checkpoint, overrides, ns.prompts, ns.seed, ns.samples, ns.out)
+    except (RefusedError, ConfigError) as exc:
+        print(f"omniflow evaluate: {exc}", file=sys.stderr)
+        return 2
+    weights = "EMA weights" if result.weights == "ema" else "trained weights"
+    before, after = result.before.mean_reward, result.after.mean_reward
+    print(
+        f"evaluated {result.checkpoint} (step {result.step}, {weights}) against its base model: mean reward {before:.6f} -> "
+        f"{after:.6f} ({after - before:+.6f}), {len(result.before.prompts)} prompts x {result.samples_per_prompt} samples, "
+        f"seed {result.seed}; report {result.out_dir}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow",
@@ -176,6 +237,30 @@ def build_parser() -> argparse.ArgumentParser:
         "control (omniflow procedural-geneval --help)",
     )
 
+    export = sub.add_parser(
+        "export",
+        help="a checkpoint as a diffusers folder: omniflow export CHECKPOINT OUT [--format full|lora|merged] [--no-ema]",
+    )
+    export.add_argument("checkpoint", help="a global_step_N checkpoint folder, or an experiment folder (its newest)")
+    export.add_argument("out", help="new or empty output folder (nothing is overwritten)")
+    export.add_argument(
+        "--format",
+        choices=["full", "lora", "merged"],  # omni_core.checkpoint.export.FORMATS
+        help="full: the whole pipeline; lora: the adapter for load_lora_weights; merged: LoRA merged into the "
+        "transformer, a whole pipeline (default: lora for a LoRA run, else full)",
+    )
+    export.add_argument("--ema", action=argparse.BooleanOptionalAction, help="the EMA weights (default: when the run kept them)")
+    export.add_argument("--base-model", help="the base pipeline folder (default: the checkpoint config's model path)")
+    export.set_defaults(func=_cmd_export)
+
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="the base model against a checkpoint, same prompts and seeds, the run's reward; a report folder: "
+        "omniflow evaluate CHECKPOINT [key=value ...] [--prompts FILE] [--seed S] [--samples N] [--out DIR]",
+    )
+    _add_evaluate_arguments(evaluate)
+    evaluate.set_defaults(func=_cmd_evaluate)
+
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (save_pretrained)")
     tiny.add_argument("dir", help="output folder")
     tiny.add_argument("--arch", choices=["sd3", "flux", "qwen-image", "clip"], default="sd3")  # models.tiny.ARCHITECTURES + clip
@@ -198,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_serve(argparse.Namespace(args=argv[1:]))
     if argv[:1] == ["deploy"]:
         return _cmd_deploy(argparse.Namespace(args=argv[1:]))
+    if argv[:1] == ["evaluate"]:  # options may sit among the overrides (parse_intermixed_args)
+        return _cmd_evaluate(_evaluate_parser().parse_intermixed_args(argv[1:]))
     if argv[:1] == ["procedural-geneval"]:  # its own parser (and --help)
         from omniflow.flows.procedural_geneval import main as procedural_main
 
