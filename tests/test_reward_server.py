@@ -3,11 +3,13 @@ the client's retries, headers and flow_grpo's pickle format, and one training ru
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -116,8 +118,17 @@ def served(tmp_path_factory) -> Iterator[tuple[RewardServerProcess, Path, Path]]
     env = {**os.environ, "OMNIFLOW_TEST_REWARD_LOG": str(log)}
     server = RewardServerProcess([f"reward.reward_functions=[{{path: {reward}, name: served}}]", "trainer.device=cpu"], env)
     yield server, reward, log
+    port = int(server.base.rsplit(":", 1)[1])
     server.stop()
-    assert server.proc.returncode is not None
+    # SIGTERM is a clean stop: uvicorn's graceful shutdown runs to its end, then (uvicorn's rule) the process dies by
+    # the signal it was sent: -15, not -9 from stop's kill after 15 s nor a traceback's 1; and the port is released.
+    deadline = time.monotonic() + 30  # the reader thread may still be taking the last lines
+    while not any("Finished server process" in line for line in server.lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any("Finished server process" in line for line in server.lines), "".join(server.lines)[-3000:]
+    assert server.proc.returncode == -signal.SIGTERM, "".join(server.lines)[-3000:]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_served_scores_equal_local_scoring_and_failures_come_back_per_sample(served):
@@ -195,6 +206,8 @@ class Scripted:
         self.calls: dict[str, int] = {}
         self.seen: dict[str, list] = {}
         self.fail_first = 0
+        self.fail_status = 503  # what /flaky answers to its first `fail_first` calls
+        self.hang_s = 0.0  # how long /hang sleeps before answering its first call
 
     def _count(self, name: str) -> int:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -210,8 +223,14 @@ class Scripted:
     async def flaky(self, request: Request) -> JSONResponse:
         n = len(json.loads(await request.body())["images"])
         if self._count("flaky") <= self.fail_first:
-            return JSONResponse({"error": "warming up"}, status_code=503)
+            return JSONResponse({"error": "warming up"}, status_code=self.fail_status)
         return JSONResponse({"scores": [0.25] * n, "errors": [None] * n})
+
+    async def hang(self, request: Request) -> JSONResponse:
+        n = len(json.loads(await request.body())["images"])
+        if self._count("hang") == 1:
+            await asyncio.sleep(self.hang_s)  # past the client's request_timeout_s: it gives up on this attempt
+        return JSONResponse({"scores": [0.5] * n})
 
     async def rejects(self, request: Request) -> JSONResponse:
         self._count("rejects")
@@ -230,6 +249,7 @@ class Scripted:
             routes=[
                 Route("/auth", self.auth, methods=["POST"]),
                 Route("/flaky", self.flaky, methods=["POST"]),
+                Route("/hang", self.hang, methods=["POST"]),
                 Route("/rejects", self.rejects, methods=["POST"]),
                 Route("/flow_grpo", self.flow_grpo, methods=["POST"]),
             ]
@@ -269,6 +289,60 @@ def test_retryable_answers_are_retried_with_backoff_and_client_errors_are_not(sc
         rejected.reasons[0]
         == f"srv: RewardServerError: {base}/rejects answered HTTP 422: images must be at least 64 px (a client error: not retried)"
     )
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_request_timeout_and_too_many_requests_answers_are_retried(scripted, status):
+    """408 and 429 are the server asking to come back later: retried like a 5xx (one retry here, then the scores)."""
+    state, base = scripted
+    state.fail_first, state.fail_status, state.calls = 1, status, {}
+    entry = _server_entry(f"{base}/flaky", max_retries=2, retry_backoff=0.05)
+    ok = RewardManager({"reward_functions": [entry]}).score(_images(2), "x")
+    assert not ok.failed.any(), ok.reasons
+    assert ok.scores.tolist() == [0.25, 0.25] and state.calls["flaky"] == 2  # the 408 / 429, then the 200
+    # Never more than max_retries + 1 attempts: with max_retries=1 a server that keeps answering it fails the batch.
+    state.fail_first, state.calls = 5, {}
+    gave_up = RewardManager({"reward_functions": [{**entry, "max_retries": 1}]}).score(_images(1), "x")
+    assert state.calls["flaky"] == 2
+    assert gave_up.reasons[0].endswith(f"no scores after 2 attempts (max_retries=1); last: HTTP {status}: warming up")
+
+
+def test_a_bad_request_400_fails_at_once_without_a_retry(scripted):
+    state, base = scripted
+    state.fail_first, state.fail_status, state.calls = 1, 400, {}  # a second call would have been answered
+    entry = _server_entry(f"{base}/flaky", max_retries=3, retry_backoff=0.05)
+    result = RewardManager({"reward_functions": [entry]}).score(_images(2), "x")
+    assert state.calls["flaky"] == 1 and result.failed.all()
+    assert result.reasons[0].endswith("answered HTTP 400: warming up (a client error: not retried)")
+
+
+def test_an_attempt_past_request_timeout_is_retried_and_the_next_answer_scores(scripted):
+    """The first request hangs past request_timeout_s (the server answers it 1.5 s later, too late): the client gives
+    that attempt up, waits retry_backoff, and the second attempt is answered."""
+    state, base = scripted
+    state.hang_s, state.calls = 1.5, {}
+    entry = _server_entry(f"{base}/hang", request_timeout_s=0.3, max_retries=1, retry_backoff=0.05)
+    start = time.monotonic()
+    result = RewardManager({"reward_functions": [entry]}).score(_images(2), "x")
+    elapsed = time.monotonic() - start
+    assert not result.failed.any(), result.reasons
+    # Two requests: a client that waited for the hung answer would have made one.
+    assert result.scores.tolist() == [0.5, 0.5] and state.calls["hang"] == 2
+    assert elapsed >= 0.3 + 0.05  # the timed-out attempt, then the backoff
+
+
+def test_a_failed_batch_names_the_server_without_the_urls_credentials(scripted):
+    """httpx sends a URL's `user:password@` as basic auth; the reason shows the URL without it and without the query."""
+    state, base = scripted
+    state.calls = {}
+    host = base.removeprefix("http://")
+    url = f"http://scorer:{SECRET}@{host}/rejects?token={SECRET}"
+    result = RewardManager({"reward_functions": [_server_entry(url, max_retries=0)]}).score(_images(1), "x")
+    assert state.calls["rejects"] == 1  # the request reached the server, credentials and all
+    assert result.reasons[0] == (
+        f"srv: RewardServerError: {base}/rejects answered HTTP 422: images must be at least 64 px (a client error: not retried)"
+    )
+    assert SECRET not in result.reasons[0]
 
 
 def test_connection_refused_is_retried_then_fails_with_the_reason():

@@ -1,11 +1,14 @@
 """Security and cache hygiene (issue 11, items 17-21): cache keys carry the OmniFlow version, cached results
 are JSON, a local cluster listens on loopback only, deployment runs take reward files only from allowed
-folders, and a joined cluster without Ray token auth is named in the log."""
+folders (checked on a real served deployment in test_deployments.py), a joined cluster without Ray token auth is named
+in the log, and a reward server's URL is shown without its credentials."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 
 # ------------------------------------------------------------------ 17: the OmniFlow version in cache keys
@@ -141,8 +144,6 @@ def test_a_local_run_cluster_and_its_transfer_queue_listen_on_loopback_only():
 def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_and_a_plain_call_accepts_it(tmp_path, tiny_sd3_dir):
     import os
 
-    import pytest
-
     from omni_core.config import ConfigError
     from omni_core.validation import prepare_run_config
     from omni_core.validation.rewards import ALLOWED_REWARD_DIRS_ENV, EXAMPLE_REWARDS_DIR, deployment_reward_dirs
@@ -220,3 +221,42 @@ def test_a_joined_cluster_without_token_auth_is_named_in_the_run_log():
     assert warning == repr(token_auth_warning(gcs)) and "RAY_AUTH_MODE=token" in warning, warning
     _, token = _join_a_head("token")
     assert "AUTH_WARNING=None" in token, token
+
+
+# ------------------------------------------------------------------ a reward server's URL, as errors show it
+URL_SECRET = "pa55-w0rd"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"http://scorer:{URL_SECRET}@scorer.internal:8765/score", "http://scorer.internal:8765/score"),
+        (f"https://api.example/v1/score?token={URL_SECRET}&x=1", "https://api.example/v1/score"),
+        (f"https://u:{URL_SECRET}@api.example/score?key={URL_SECRET}#{URL_SECRET}", "https://api.example/score"),
+        (f"http://u:{URL_SECRET}@[::1]:8080/score", "http://[::1]:8080/score"),  # IPv6 keeps its brackets
+        ("http://127.0.0.1:8765/score", "http://127.0.0.1:8765/score"),  # nothing to hide: unchanged
+        # Malformed, as a config error shows them: no scheme; an unencoded "/" in the password; an encoded "@".
+        (f"scorer:{URL_SECRET}@scorer.internal/score?token={URL_SECRET}", "scorer.internal/score"),
+        (f"http://u:{URL_SECRET}/x@host/score", "http://host/score"),
+        (f"http://u:{URL_SECRET}%40more@host/score", "http://host/score"),
+    ],
+)
+def test_display_url_hides_credentials_query_and_fragment(url, shown):
+    from omni_core.rewards.entries import display_url  # also omni_core.rewards.server_client.display_url
+
+    assert display_url(url) == shown
+    assert URL_SECRET not in display_url(url)
+
+
+def test_a_malformed_server_url_in_the_config_is_refused_without_its_credentials():
+    """A URL missing its scheme parses as scheme `user` with the password in the path (urlsplit): the error must
+    still not show the password (it once showed `user://<password>@host/score`)."""
+    from omni_core.config import load_config
+    from omni_core.validation import config_problems
+
+    url = f"scorer:{URL_SECRET}@scorer.internal/score?token={URL_SECRET}"
+    cfg = load_config(overrides=[f"reward.reward_functions=[{{server_url: '{url}'}}]"])
+    (problem,) = [p for p in config_problems(cfg) if p.key == "reward.reward_functions[0].server_url"]
+    assert "must be an http:// or https:// URL" in problem.message
+    assert URL_SECRET not in str(problem) and URL_SECRET not in problem.message and URL_SECRET not in str(problem.value)
+    assert "scorer.internal/score" in str(problem)

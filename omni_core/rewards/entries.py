@@ -17,6 +17,7 @@ it to a loaded entry's non-default values (a dumped and reloaded config carries 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,12 +27,26 @@ __all__ = [
     "ALL_ENTRY_KEYS",
     "ENTRY_KEYS",
     "VERL_HTTP_CLIENT",
+    "display_url",
     "entry_kind",
     "given_entry_keys",
     "refused_entry_keys",
 ]
 
 VERL_HTTP_CLIENT = "pkg://verl_omni.utils.reward_score.http_scorer_client"
+
+
+def display_url(url: str) -> str:
+    """A server entry's `url` as errors and logs show it: without its query string and fragment and without anything up
+    to the last `@` (a `user:password@` part; either may carry a secret). Written for malformed URLs too, as a config
+    error shows them: no scheme (`user:pw@host/score`), an unencoded `/` in a password. The host stays as written
+    (an IPv6 host keeps its brackets); a path holding an `@` is shown from after it."""
+    base = re.split(r"[?#]", url, maxsplit=1)[0]
+    scheme, sep, rest = base.partition("://")
+    if not sep:
+        scheme, rest = "", base
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
 
 _SERVER_KEYS = ("server_url", "headers", "batch_size", "max_concurrency", "request_timeout_s", "max_retries", "retry_backoff")
 ENTRY_KEYS: dict[str, tuple[str, ...]] = {

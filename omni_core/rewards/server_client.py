@@ -11,7 +11,7 @@ images, `max_concurrency` at once. Each batch is one request (`wire_format`: JSO
 
 Header values written `env:NAME` are read from the environment of the scoring process at each request and exist
 only in the request: never stored on the term, never put in a reason or a log line. The URL is shown without any
-`user:password@` part or query string.
+`user:password@` part, query string or fragment (`display_url`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from omni_core.rewards.entries import display_url
 from omni_core.rewards.terms import BatchRewardTerm, RewardBatch
 from omni_core.rewards.wire_format import (
     error_detail,
@@ -41,14 +42,6 @@ RETRIED_STATUS = frozenset({408, 429})  # and every 5xx
 
 class RewardServerError(RuntimeError):
     """A batch the reward server did not score; the message names the server (without credentials) and the reason."""
-
-
-def display_url(url: str) -> str:
-    """`url` without `user:password@` and without its query string (either may carry a secret)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class RewardServerClient:

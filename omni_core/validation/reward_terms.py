@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.unsupported import REWARD_MODEL_REASON
-from omni_core.rewards.entries import entry_kind, given_entry_keys, refused_entry_keys
+from omni_core.rewards.entries import display_url, entry_kind, given_entry_keys, refused_entry_keys
 from omni_core.rewards.names import BUILTIN_REWARD_NAMES, MODEL_REWARD_NAMES
 
 HEAD_SUFFIXES = (".safetensors", ".pth", ".pt")
@@ -65,7 +65,7 @@ def _server_problems(key: str, spec: object) -> list[ConfigProblem]:
     url = str(getattr(spec, "server_url", None) or "")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        shown = f"{parts.scheme}://{parts.hostname or ''}{parts.path}" if parts.scheme else url.split("@")[-1]
+        shown = display_url(url)  # never the credentials or query of a malformed URL (`user:pw@host/score`)
         return [
             ConfigProblem(
                 f"{key}.server_url", "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8765/score", shown
