@@ -1,14 +1,23 @@
-"""Stopping a run promptly when it is cancelled (Prefect UI / API, `prefect flow-run cancel`) or crashes.
+"""Stopping a run promptly when it is cancelled (Prefect UI / API, `prefect flow-run cancel`), stopped (Ctrl-C,
+SIGTERM) or crashes.
 
 A served or deployed run is cancelled by a SIGTERM from its runner, which Prefect's engine turns into a
-`TerminationSignal` in the flow's main thread; the flow's `finally` then closes the TransferQueue, the run's
-actors and the Ray cluster it started. Two things keep that within seconds:
+`TerminationSignal` in the flow's main thread; Ctrl-C is a `KeyboardInterrupt` there, and `omniflow train` turns
+SIGTERM into one too (`runner.py`). The flow's `finally` then closes the TransferQueue, the run's actors and the
+Ray cluster it started. What keeps that prompt and clean:
 
 - `wait_for_epoch`: the flow waits for a `fit_epoch` in short slices, never in one long `ray.get` (a signal
   handler runs only when that call returns: measured, a run cancelled mid-epoch went on to the epoch's end
-  and its processes took 31 s to go). When the wait is interrupted, the epoch's Ray task is cancelled first
-  (`stop_epoch`), so its `fit_epoch` gives its GPU slot back and stops writing; the last checkpoint is the last
-  complete one (checkpoints are written to a temporary folder and renamed).
+  and its processes took 31 s to go). When the wait is interrupted, the epoch is stopped first (`stop_epoch`),
+  so its `fit_epoch` gives its GPU slot back and stops writing; the last checkpoint is the last complete one
+  (checkpoints are written to a temporary folder and renamed).
+- `stop_epoch` asks, never cancels: `ray.cancel` of a task whose reply is being handled aborts the whole
+  process in Ray 2.60 (`omni_core.run_control` says why), and a stop is handled exactly when an epoch ends more
+  often than not. The epoch sees the request before its next step; a step blocked in an actor call ends when the
+  run's actors are killed after `STOP_EPOCH_WAIT_S`.
+- `stop_signals_held`: the few statements between two waits that hand Prefect a task's inputs to serialise run
+  with SIGTERM and SIGINT held, so a signal is raised after them, not inside pydantic's serializer (measured: it
+  became a `PydanticSerializationError`, and the run ended Failed with a traceback instead of stopped).
 - `close_after_cancel_or_crash`: the flow's `on_cancellation` / `on_crashed` hook, a backstop that runs even
   when no new task may start: in a process connected to Ray, it kills the run's named actors (by the run id
   in their names), closes the TransferQueue this process started and stops the Ray cluster it started. In a
@@ -20,20 +29,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
+
+from omni_core.records import WorkerNames
 
 # A wait on a fit_epoch returns at least this often, so that a cancellation's signal is handled at once.
 WAIT_SLICE_S = 0.5
-# How long a cancelled fit_epoch may take to unwind (release its GPU slot) before its worker is killed.
+# How long a stopped fit_epoch may take to reach its next step (then the run's actors are killed so that a
+# step blocked in an actor call ends), and after that to unwind (release its GPU slot).
 STOP_EPOCH_WAIT_S = 5.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 log = logging.getLogger("omniflow.cancellation")
 
 
-def wait_for_epoch(future: Any, timeout_s: float) -> Any:
+def wait_for_epoch(future: Any, names: WorkerNames, timeout_s: float) -> Any:
     """`future.result(timeout_s)` of a `fit_epoch` on Ray, waiting in `WAIT_SLICE_S` slices; interrupted (a
-    cancellation, Ctrl-C), it stops the epoch's task before re-raising."""
+    cancellation, Ctrl-C, SIGTERM), it stops the run's epoch (`stop_epoch`) before re-raising."""
     import ray
 
     ref = future.wrapped_future
@@ -44,7 +60,8 @@ def wait_for_epoch(future: Any, timeout_s: float) -> Any:
             if ready:
                 break
     except BaseException as exc:
-        stop_epoch(ref)
+        with stop_signals_held():
+            stop_epoch(ref, names, f"{type(exc).__name__} in the flow process")
         # A signal handled inside Ray's C call surfaces as a SystemError caused by the signal's own exception (Prefect's
         # TerminationSignal, KeyboardInterrupt): raise that, so the engine sees a cancellation, not a failure.
         cause = exc.__cause__
@@ -54,21 +71,44 @@ def wait_for_epoch(future: Any, timeout_s: float) -> Any:
     return future.result(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def stop_epoch(ref: Any) -> None:
-    """Cancel a running `fit_epoch` task: a KeyboardInterrupt in its worker (its GPU slot is given back as it
-    unwinds), then, if it is still running after `STOP_EPOCH_WAIT_S`, its worker is killed."""
+def stop_epoch(ref: Any, names: WorkerNames, reason: str) -> None:
+    """Stop the run's running `fit_epoch` (its Ray task `ref`) without `ray.cancel`: ask it to stop before its next
+    step; if it has not ended after `STOP_EPOCH_WAIT_S` (a step blocked in an actor call), kill the run's actors,
+    which ends that call, and give it as long again to unwind."""
     import ray
 
+    from omni_core.run_control import kill_run_actors, request_stop
+
     with contextlib.suppress(Exception):
-        ray.cancel(ref, force=False)
+        request_stop(names, reason)
         ready, _ = ray.wait([ref], timeout=STOP_EPOCH_WAIT_S)
         if not ready:
-            ray.cancel(ref, force=True)
+            kill_run_actors(names, keep_control=True)  # the control actor stays: its answer marks the failure as the stop
+            ray.wait([ref], timeout=STOP_EPOCH_WAIT_S)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Within: SIGTERM and SIGINT are recorded instead of handled; on exit the handlers are put back and the first
+    one recorded is raised again, so it lands after the block. Outside the main thread (where Python runs no
+    signal handler) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def run_actor_names(flow_run_id: Any, namespace: str) -> list[str]:
     """Named actors of the run of `flow_run_id` in `namespace` (their names carry `<experiment>-<first 8 of the
-    flow run id>`: `omni_core.records.WorkerNames`)."""
+    flow run id>`: `omni_core.records.WorkerNames`); the hook knows the flow run, not the experiment's name."""
     import ray
 
     marker = f"-{str(flow_run_id)[:8]}-"

@@ -31,7 +31,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omniflow.flows.cancellation import close_after_cancel_or_crash, wait_for_epoch
+from omniflow.flows.cancellation import close_after_cancel_or_crash, stop_signals_held, wait_for_epoch
 from omniflow.flows.events import RewardWatch, emit_epoch_events, emit_run_failed
 from omniflow.flows.library_use import flow_with_embedded_api
 from omniflow.tasks.build_trainer import build_trainer
@@ -139,10 +139,10 @@ def fit(
     for epoch in range(start_epoch, end_epoch):
         for restarts in range(MAX_TRANSFER_QUEUE_RESTARTS + 1):
             # Ray's own task retries stay off: Prefect's (from the last checkpoint, infrastructure failures only) are the only ones.
-            with remote_options(max_retries=0):
+            with remote_options(max_retries=0), stop_signals_held():  # a stop lands after the inputs are serialised
                 future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
             try:
-                results.append(wait_for_epoch(future, EPOCH_RESULT_TIMEOUT_S))  # a cancellation stops it at once
+                results.append(wait_for_epoch(future, run.names, EPOCH_RESULT_TIMEOUT_S))  # a stop ends it at once
                 break
             except Exception as exc:
                 if restarts == MAX_TRANSFER_QUEUE_RESTARTS or not is_transfer_queue_lost(exc):
@@ -152,9 +152,10 @@ def fit(
                     f"checkpoint ({restarts + 1}/{MAX_TRANSFER_QUEUE_RESTARTS})"
                 )
                 restart_transfer_queue(config)
-        # checkpoint / validation / regression events, naming main_diffusion_v1's run (this subflow's parent)
-        emit_epoch_events(config, run, results[-1], watch, runtime.flow_run.parent_flow_run_id or runtime.flow_run.id)
-        publish_reward_curve(run, results, end_epoch)
+        with stop_signals_held():  # Prefect serialises these tasks' inputs too
+            # checkpoint / validation / regression events, naming main_diffusion_v1's run (this subflow's parent)
+            emit_epoch_events(config, run, results[-1], watch, runtime.flow_run.parent_flow_run_id or runtime.flow_run.id)
+            publish_reward_curve(run, results, end_epoch)
     return results
 
 

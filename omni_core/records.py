@@ -41,6 +41,11 @@ class WorkerNames:
     def rollout_worker(self, i: int) -> str:
         return f"omniflow-{self.run_id}-rollout-worker-{i}"
 
+    @property
+    def run_control(self) -> str:
+        """The run's stop request (`omni_core.run_control`)."""
+        return f"omniflow-{self.run_id}-run-control"
+
 
 @dataclass(frozen=True)
 class RunInfo:

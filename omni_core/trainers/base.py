@@ -54,6 +54,7 @@ from omni_core.rollout.group_refill import (
 )
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
+from omni_core.run_control import kill_run_actors, raise_if_stop_requested, start_run_control
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
@@ -113,6 +114,7 @@ class PolicyGradientDiffusionTrainerV1:
         # the Prefect layer sends them to the run's log. Without it they go to the `omni_core.trainer` logger.
         self.log_callback: Callable[[int, str], None] | None = None
         self._actor_logs = ActorLogs()  # the actors' own `omni_core` log records (omni_core.worker_logs)
+        self._run_control: Any = None  # `omni_core.run_control.RunControl`, created by `init` (the flow process)
 
     # ------------------------------------------------------------------------ sizes
     @property
@@ -148,6 +150,10 @@ class PolicyGradientDiffusionTrainerV1:
 
     def _setup(self, train_records: list[PromptRecord], val_records: list[PromptRecord]) -> None:
         self._init_dataloader(train_records, val_records)
+        # How the flow process asks a running epoch to stop. This handle owns the actor (it lives as long as the
+        # trainer); a retried init keeps it (a second handle from get_if_exists would not own it).
+        if self._run_control is None:
+            self._run_control = start_run_control(self.run.names)
         self._init_training_actor()
         self._load_checkpoint()
 
@@ -256,7 +262,8 @@ class PolicyGradientDiffusionTrainerV1:
         if self.ranks is not None:
             self.ranks.kill()
             remove_pool(self.run.names)
-        self.actor, self.ranks, self.agent_loop = None, None, None
+        kill_run_actors(self.run.names)  # the run's control actor, and any actor a failed start left behind
+        self.actor, self.ranks, self.agent_loop, self._run_control = None, None, None, None
 
     # ------------------------------------------------------------------------ restore / save
     def _latest_of_this_run(self) -> str | None:
@@ -375,11 +382,14 @@ class PolicyGradientDiffusionTrainerV1:
                     self.tracking.log(result.val_metrics, step=0)
             last_step = min((epoch + 1) * self.steps_per_epoch, self.total_training_steps)
             while self.global_step < last_step:
+                raise_if_stop_requested(self.run.names, f"before step {self.global_step + 1}")
                 try:
                     metrics = self.step()
                 except Exception as exc:
                     if is_out_of_memory(exc):  # the same settings would fail the same way: say what to change
                         raise out_of_memory_error(self.config, exc, f"step {self.global_step}") from exc
+                    # A stop kills the run's actors when a step does not end in time: the call that failed is the stop.
+                    raise_if_stop_requested(self.run.names, f"during step {self.global_step + 1}")
                     raise
                 result.step_metrics.append(metrics)
             result.checkpoint = self._save_checkpoint()
