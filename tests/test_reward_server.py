@@ -54,6 +54,12 @@ def compute_score(data_source, solution_image, ground_truth, extra_info):
 """
 SECRET = "s3cr3t-token-do-not-log"
 TOKEN_VAR = "OMNIFLOW_TEST_REWARD_TOKEN"
+# The bearer token of the training run's reward server. Set when pytest imports this module (collection, before the
+# session's Ray cluster starts), because Ray workers keep the environment their cluster started with: the run's
+# rollout workers read `env:RUN_TOKEN_VAR` there, as a real run's workers read a variable exported where it starts.
+RUN_SECRET = "run-b3arer-t0ken-n3ver-logged"
+RUN_TOKEN_VAR = "OMNIFLOW_TEST_RUN_REWARD_TOKEN"
+os.environ[RUN_TOKEN_VAR] = f"Bearer {RUN_SECRET}"
 
 
 def _images(n: int, seed: int = 0, size: int = 24) -> torch.Tensor:
@@ -208,6 +214,7 @@ class Scripted:
         self.fail_first = 0
         self.fail_status = 503  # what /flaky answers to its first `fail_first` calls
         self.hang_s = 0.0  # how long /hang sleeps before answering its first call
+        self.upstream = ""  # where /token_proxy sends what it lets through
 
     def _count(self, name: str) -> int:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -236,6 +243,18 @@ class Scripted:
         self._count("rejects")
         return JSONResponse({"error": "images must be at least 64 px"}, status_code=422)
 
+    async def token_proxy(self, request: Request) -> Response:
+        """A reward server behind a bearer token (`RUN_SECRET`): checks the token, then passes the batch on to
+        `self.upstream` (the module's `omniflow reward-server`) and its answer back."""
+        body = await request.body()
+        allowed = request.headers.get("authorization") == f"Bearer {RUN_SECRET}"
+        self.seen.setdefault("token_proxy", []).append(allowed)
+        if not allowed:
+            return JSONResponse({"error": "bad token"}, status_code=401)
+        async with httpx.AsyncClient(timeout=120) as client:
+            answer = await client.post(self.upstream, content=body, headers={"content-type": "application/json"})
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
     async def flow_grpo(self, request: Request) -> Response:
         payload = restricted_loads(await request.body())  # the client sends plain types only
         self.seen.setdefault("pickle", []).append(payload)
@@ -252,6 +271,7 @@ class Scripted:
                 Route("/hang", self.hang, methods=["POST"]),
                 Route("/rejects", self.rejects, methods=["POST"]),
                 Route("/flow_grpo", self.flow_grpo, methods=["POST"]),
+                Route("/token_proxy", self.token_proxy, methods=["POST"]),
             ]
         )
 
@@ -418,33 +438,105 @@ def test_verl_omni_http_scorer_entry_speaks_flow_grpo_pickle_and_refuses_pickled
     assert evil.failed.all() and "needs the global posix.getpid" in evil.reasons[0]  # refused, never called
 
 
-def test_a_training_run_scores_through_a_served_reward(
-    served, prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path
+def test_a_training_run_scores_through_a_served_reward_and_its_token_stays_out_of_every_record(
+    served, scripted, prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path
 ):
-    """One lean epoch whose only reward is a server term: the rewards the run recorded are the ones the server
-    computed (its reward file logs each score), and the run completes."""
+    """One lean epoch whose only reward is a server term behind a bearer token (`headers: {Authorization:
+    env:RUN_TOKEN_VAR}`): every request carried the token; the rewards the run recorded are the ones the server
+    computed (its reward file logs each score); and the token is in none of the run's records: its Prefect logs
+    (read through the API), its checkpoint folder (the saved config.yaml, metrics.jsonl, the mlflow store, the
+    weights) and its mlflow params."""
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     server, _, log = served
+    state_, base = scripted
+    state_.upstream, state_.seen["token_proxy"] = server.url, []
     before = len(log.read_text().splitlines()) if log.exists() else 0
+    ckpt = tmp_path / "ckpt"
+    entry = f"{{name: served, server_url: '{base}/token_proxy', headers: {{Authorization: 'env:{RUN_TOKEN_VAR}'}}"
     overrides = [
         *flow_overrides,
         "trainer.total_epochs=1",
         "trainer.val_before_train=false",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        f"reward.reward_functions=[{{name: served, server_url: '{server.url}', batch_size: 4, max_concurrency: 2}}]",
+        "trainer.logger=[console,file,mlflow]",
+        f"trainer.default_local_dir={ckpt}",
+        f"reward.reward_functions=[{entry}, batch_size: 4, max_concurrency: 2}}]",
     ]
     state = main_diffusion_v1(overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
+    # 2 prompts x 4 samples in batches of 4: two requests, each with the token read in the rollout worker.
+    assert state_.seen["token_proxy"] == [True, True]
     # The run's images are 32 px; a call of an earlier test that timed out on the client may still log (24 px).
     rows = [json.loads(line) for line in log.read_text().splitlines()[before:]]
     served_scores = [row["score"] for row in rows if row["height"] == 32]
     assert len(served_scores) == 8  # 2 prompts x 4 samples, scored by the server
-    metrics = [json.loads(line) for line in (tmp_path / "ckpt").rglob("metrics.jsonl").__next__().read_text().splitlines()]
+    metrics = [json.loads(line) for line in next(ckpt.rglob("metrics.jsonl")).read_text().splitlines()]
     step = next(m for m in metrics if "critic/rewards/mean" in m)
     assert step["critic/rewards/mean"] == pytest.approx(float(np.mean(served_scores)), abs=1e-6)
     assert step["critic/rewards/max"] == pytest.approx(max(served_scores), abs=1e-6)
     assert step["critic/rewards/min"] == pytest.approx(min(served_scores), abs=1e-6)
+
+    # The Prefect logs of the run and its subflows, once the last epoch's line is in (a Ray worker's task sends its
+    # lines in batches, a moment after the run may have ended).
+    messages = _run_log_messages(state.state_details.flow_run_id, until="checkpoint saved")
+    assert any("checkpoint saved" in m for m in messages), messages[-20:]
+    assert [m for m in messages if RUN_SECRET in m] == []
+    # Every file of the checkpoint folder, as bytes: config.yaml names the variable, never its value.
+    saved = (ckpt / "global_step_1" / "config.yaml").read_text()
+    assert f"env:{RUN_TOKEN_VAR}" in saved
+    files = [f for f in ckpt.rglob("*") if f.is_file()]
+    assert {"config.yaml", "metrics.jsonl", "mlflow.db", "model.safetensors"} <= {f.name for f in files}
+    assert [f for f in files if RUN_SECRET.encode() in f.read_bytes()] == []
+    # mlflow's params (the resolved config), read back through mlflow: the headers are there, as the reference.
+    params = _mlflow_params(ckpt)
+    assert any(f"env:{RUN_TOKEN_VAR}" in value for value in params.values()), params
+    assert [key for key, value in params.items() if RUN_SECRET in value] == []
+
+
+def _run_log_messages(flow_run_id, until: str, timeout_s: float = 60) -> list[str]:
+    """Every log message of the flow run and its subflows (all pages), once one holds `until` or `timeout_s` passed."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
+
+    async def read() -> list[str]:
+        async with get_client() as client:
+            ids, todo = [], [flow_run_id]
+            while todo:
+                current = todo.pop()
+                ids.append(current)
+                children = await client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[current]))
+                )
+                todo.extend(r.id for r in children)
+            messages: list[str] = []
+            while True:
+                page = await client.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200, offset=len(messages)
+                )
+                messages += [log.message for log in page]
+                if len(page) < 200:
+                    return messages
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        messages = asyncio.run(read())
+        if any(until in m for m in messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(1.0)
+
+
+def _mlflow_params(ckpt: Path) -> dict[str, str]:
+    """The params of the one mlflow run in the checkpoint folder's store."""
+    from mlflow.tracking import MlflowClient
+
+    from omni_core.trackers.mlflow_run import mlflow_tracking_uri
+
+    client = MlflowClient(tracking_uri=mlflow_tracking_uri(ckpt))
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (run,) = client.search_runs(experiments)
+    return run.data.params
 
 
 def test_the_reward_server_command_refuses_other_keys_and_bad_entries_before_serving(capsys):
