@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from omni_core.procedural.scenes import Scene, all_scenes, held_out_split, parse_prompt, render
 from omni_core.procedural.verifier import read_scene, verify
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_grid_prompts_and_held_out_split():
@@ -146,3 +150,47 @@ def test_the_flow_parameters_make_the_designed_biases():
     assert [b.attribute for b in design_from(0, 0.0, 0.7, 0.0, 24, 100, []).biases] == ["colour"]
     with pytest.raises(ValueError, match="colour_bias_when: 'square' is not attribute=value"):
         design_from(0, 0.7, 0.7, 0.0, 24, 100, ["square"])
+
+
+# ----------------------------------------------------------------------------- the README's measured results
+def _readme_results_table() -> list[list[str]]:
+    """The rows (cells) of the README's table under "Measured: `python benchmarks/procedural_geneval.py --seeds 3`"."""
+    readme = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(readme) if line.startswith("### Measured: `python benchmarks/procedural_geneval.py"))
+    table = []
+    for line in readme[start + 1 :]:
+        if line.startswith("|"):
+            table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif table:
+            break
+    header, rule, *rows = table
+    assert header[0] == "seed" and set("".join(rule)) <= {"-"}, header
+    return rows
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}%"  # as the benchmark's report writes a share (omni_core.procedural.report)
+
+
+def test_the_readme_results_table_equals_the_stored_benchmark_json():
+    import json
+
+    stored = json.loads((REPO / "benchmarks" / "results" / "procedural_geneval.json").read_text())
+    expected = []  # the README's rows rebuilt from the JSON with the table's rounding: one row per seed and bias
+    for seed in stored["seeds"]:
+        for i, bias in enumerate(seed["base_accuracy"]["biases"]):
+            first = i == 0
+            row = (
+                [str(seed["seed"]), f"{seed['pretrain']['steps']} ({seed['pretrain']['stopped']})", bias]
+                if first
+                else ["", "", bias]
+            )
+            for model in ("base", "rl", "control"):
+                row.append(
+                    f"{_pct(seed[f'{model}_accuracy']['biases'][bias])} / {_pct(seed[f'{model}_accuracy_held_out']['biases'][bias])}"
+                )
+            row.append(f"{100 * seed['target']['rl_minus_control'][bias]:+.1f}")
+            row += [f"{100 * seed['guard']['rl']:.1f} pts", f"{seed['wall_seconds'] / 60:.1f} min"] if first else ["", ""]
+            expected.append(row)
+    assert stored["seeds_done"] == len(stored["seeds"]) == 3
+    assert _readme_results_table() == expected
