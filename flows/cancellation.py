@@ -14,7 +14,7 @@ Ray cluster it started. What keeps that prompt and clean:
 - `stop_epoch` asks, never cancels: `ray.cancel` of a task whose reply is being handled aborts the whole
   process in Ray 2.60 (`omni_core.run_control` says why), and a stop is handled exactly when an epoch ends more
   often than not. The epoch sees the request before its next step; a step blocked in an actor call ends when the
-  run's actors are killed after `STOP_EPOCH_WAIT_S`.
+  run's actors are killed after `STOP_REQUEST_GRACE_S`.
 - `stop_signals_held`: the few statements between two waits that hand Prefect a task's inputs to serialise run
   with SIGTERM and SIGINT held, so a signal is raised after them, not inside pydantic's serializer (measured: it
   became a `PydanticSerializationError`, and the run ended Failed with a traceback instead of stopped).
@@ -39,9 +39,11 @@ from omni_core.records import WorkerNames
 
 # A wait on a fit_epoch returns at least this often, so that a cancellation's signal is handled at once.
 WAIT_SLICE_S = 0.5
-# How long a stopped fit_epoch may take to reach its next step (then the run's actors are killed so that a
-# step blocked in an actor call ends), and after that to unwind (release its GPU slot).
-STOP_EPOCH_WAIT_S = 5.0
+# How long a stopped fit_epoch may take to reach its next step before the run's actors are killed (so that a step
+# blocked in an actor call ends: the flow's close would kill them anyway), and after that to unwind (give its GPU
+# slot back). A cancelled run's processes are gone within seconds (tests/test_concurrency_and_cancellation.py).
+STOP_REQUEST_GRACE_S = 2.0
+STOP_UNWIND_WAIT_S = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 log = logging.getLogger("omniflow.cancellation")
@@ -73,18 +75,18 @@ def wait_for_epoch(future: Any, names: WorkerNames, timeout_s: float) -> Any:
 
 def stop_epoch(ref: Any, names: WorkerNames, reason: str) -> None:
     """Stop the run's running `fit_epoch` (its Ray task `ref`) without `ray.cancel`: ask it to stop before its next
-    step; if it has not ended after `STOP_EPOCH_WAIT_S` (a step blocked in an actor call), kill the run's actors,
-    which ends that call, and give it as long again to unwind."""
+    step; if it has not ended after `STOP_REQUEST_GRACE_S` (a step blocked in an actor call), kill the run's actors,
+    which ends that call, and give it `STOP_UNWIND_WAIT_S` to unwind."""
     import ray
 
     from omni_core.run_control import kill_run_actors, request_stop
 
     with contextlib.suppress(Exception):
         request_stop(names, reason)
-        ready, _ = ray.wait([ref], timeout=STOP_EPOCH_WAIT_S)
+        ready, _ = ray.wait([ref], timeout=STOP_REQUEST_GRACE_S)
         if not ready:
             kill_run_actors(names, keep_control=True)  # the control actor stays: its answer marks the failure as the stop
-            ray.wait([ref], timeout=STOP_EPOCH_WAIT_S)
+            ray.wait([ref], timeout=STOP_UNWIND_WAIT_S)
 
 
 @contextlib.contextmanager

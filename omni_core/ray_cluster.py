@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -146,8 +148,10 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
             Config.initialize("")
         ray.init(**ray_init_kwargs(config, namespace))
     else:
+        global _session_dir
         with loopback_node_ip():
-            ray.init(**ray_init_kwargs(config, namespace))
+            context = ray.init(**ray_init_kwargs(config, namespace))
+        _session_dir = context.address_info.get("session_dir")
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     return init.address is None
@@ -199,6 +203,10 @@ def check_cluster_devices(config: OmniFlowConfig, resources: dict[str, Any] | No
 # init_transfer_queue finds Ray initialised by its own earlier try, and must still report (and close) it as
 # this run's.
 _started_ray = False
+# The session folder (logs, sockets) of the local cluster this process started last; its logs are kept with the run.
+_session_dir: str | None = None
+# Ray's own logs kept with a run (`keep_ray_logs`): the last this many bytes of each file.
+RAY_LOG_TAIL_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -269,3 +277,21 @@ def close_run(trainer: Any, owns_ray: bool) -> None:
     if owns_ray or _started_ray:
         ray.shutdown()
         _started_ray = False
+        if trainer is not None and _session_dir is not None:
+            keep_ray_logs(_session_dir, Path(trainer.run.log_dir) / "ray")
+
+
+def keep_ray_logs(session_dir: str | Path, dest: Path, tail_bytes: int = RAY_LOG_TAIL_BYTES) -> None:
+    """Copy the `logs` of a Ray session this run started (GCS, raylet, the driver's and every worker's core-worker
+    log and output) to `dest`, the last `tail_bytes` of each file: what Ray itself logged stays with the run's
+    metrics after Ray's temporary session folder is gone. Never fails the run's close."""
+    src = Path(session_dir) / "logs"
+    for file in sorted(src.rglob("*")) if src.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if not file.is_file():
+                continue
+            target = dest / file.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with file.open("rb") as f_in, target.open("wb") as f_out:
+                f_in.seek(max(0, file.stat().st_size - tail_bytes))
+                shutil.copyfileobj(f_in, f_out)

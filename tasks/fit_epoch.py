@@ -4,7 +4,8 @@ A function of (config, epoch, last checkpoint): it rebuilds the controller, find
 name, restarts from the last checkpoint written before a failure (the actor reloads it if its
 weights moved past it; stale TransferQueue rows are cleared), trains the epoch holding a GPU slot
 (`gpu_slots`: runs sharing a Prefect server queue for the devices), saves its checkpoint, and publishes
-the epoch's metrics table and checkpoint card as artifacts. The trainer's log lines go to the run's log as they happen: its own (`log_callback`), those of `omni_core` loggers in this
+the epoch's metrics table and checkpoint card as artifacts. A stop of the run (`omni_core.run_control`) ends it
+Cancelled, never retried. The trainer's log lines go to the run's log as they happen: its own (`log_callback`), those of `omni_core` loggers in this
 process (a `CallbackHandler` for the task's duration), and the actors' (training ranks, rollout workers),
 which the trainer drains after every step (`omni_core.worker_logs`).
 """
@@ -17,11 +18,13 @@ from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled, State
 
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.cards import checkpoint_card, epoch_metrics_rows
+from omni_core.run_control import RunStopRequested
 from omni_core.trainers import build_diffusion_trainer
 from omni_core.worker_logs import omni_core_logs_to
 
@@ -43,7 +46,7 @@ def fit_epoch(
     val_records: list[PromptRecord],
     resume_from: str | None,
     progress_artifact_id: str | None = None,
-) -> EpochResult:
+) -> EpochResult | State:
     log = get_run_logger().log
     with omni_core_logs_to(log):
         trainer = build_diffusion_trainer(config, run)
@@ -53,8 +56,11 @@ def fit_epoch(
             trainer.step_callback = lambda step, total, _: update_progress_artifact(
                 progress_artifact_id, progress=100.0 * step / total
             )
-        with gpu_slot(config.trainer.concurrency, f"fit_epoch-{epoch}"):
-            result = trainer.fit_epoch(epoch)
+        try:
+            with gpu_slot(config.trainer.concurrency, f"fit_epoch-{epoch}"):
+                result = trainer.fit_epoch(epoch)
+        except RunStopRequested as stop:  # Ctrl-C, SIGTERM or a UI cancel of the run: not a failure to retry
+            return Cancelled(message=str(stop))
     _publish(result)
     return result
 

@@ -1,22 +1,27 @@
-"""A service of the run dies mid-run: `omniflow train` in its own process, the service's process SIGKILLed.
+"""A service of the run dies mid-run, and the run is stopped at several points: `omniflow train` in its own process.
 
 The embedded Prefect API, in a separate_async run: the run stops at once with one line naming the dead server
 and how to resume (exit 75), leaves no Ray, TransferQueue or Prefect process behind and its last checkpoint
 intact, and the same command again starts a new server on the same PREFECT_HOME and resumes from that
-checkpoint. That second run is then stopped with SIGTERM (as a shell's kill or a scheduler's stop does): exit
-130, the interruption line, its own server, Ray cluster and rollout worker gone, its checkpoint intact (with
-the group it sampled ahead). (One test for both: each run that starts its own server and Ray cluster costs a
-minute on 2 cores.)
+checkpoint. That second run, and two more started by the same command, are then stopped (`STOPS`): SIGTERM as an
+epoch ends (as a shell's kill or a scheduler's stop does), Ctrl-C mid-step, SIGTERM while a checkpoint is written.
+Each stop: exit 130, the interruption line and nothing else alarming on the console (no traceback, no Ray abort),
+its server, Ray cluster and rollout worker gone, its last checkpoint intact (with the group it sampled ahead), and
+the next run resumes right after it. (One test: each run that starts its own Ray cluster costs half a minute or
+more on 2 cores.)
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from real_prefect import wait_gone
 from test_cli_runs import _descendants, _env, _latest, _step_records, _train, _wait_for
+
+from omni_core.checkpoint import read_state
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,10 +38,10 @@ def _own_api_run(flow_overrides: list[str], tmp_path, ckpt) -> tuple[dict[str, s
     return env, [*flow_overrides, *ASYNC, f"trainer.default_local_dir={ckpt}", "trainer.total_epochs=4"]
 
 
-def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flow_overrides, tmp_path):
+def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flow_overrides, tmp_path, prefect_api):
     from omniflow.flows.runner import EXIT_API_DIED
 
-    from omni_core.checkpoint import find_latest, read_state, verify_checkpoint
+    from omni_core.checkpoint import find_latest, verify_checkpoint
 
     ckpt = tmp_path / "ckpt"
     env, overrides = _own_api_run(flow_overrides, tmp_path, ckpt)
@@ -58,29 +63,62 @@ def test_a_killed_prefect_api_stops_the_run_cleanly_and_the_next_run_resumes(flo
     latest = find_latest(ckpt)
     assert latest is not None and latest.name in ("global_step_1", "global_step_2"), latest
     verify_checkpoint(latest)  # intact: every file matches its manifest hash
-    first_logs = set((ckpt / "logs").iterdir())
 
-    second_log = tmp_path / "second.log"
-    second = _train(overrides, env, second_log)  # the same command: a new server on the same PREFECT_HOME
+    # The same command again: a new server on the same PREFECT_HOME, resumed from that checkpoint. It and the runs
+    # after it are then stopped at three points of the run, each resumed by the same command.
+    # (The third and fourth use the session's API, as a user's PREFECT_API_URL: a server start less each.)
     resumed_at = int(latest.name.removeprefix("global_step_"))
-    _wait_for(lambda: _latest(ckpt) == str(resumed_at + 1), second, 600, second_log)
-    (second_logs,) = set((ckpt / "logs").iterdir()) - first_logs
-    assert _step_records(second_logs)[0] == resumed_at + 1  # it resumed: only the steps after the checkpoint
-    spawned = _descendants(second.pid)
-    names = " ".join(" ".join(p.cmdline()) for p in spawned if p.is_running())
-    assert "raylet" in names and "prefect" in names and "server" in names  # what must go away
-    assert "RolloutWorker" in names  # the standalone rollout worker, sampling ahead while the trainer updates
+    for n, (point, sig) in enumerate(STOPS, start=2):
+        run_env = env if n == 2 else _env(PREFECT_API_URL=prefect_api)
+        resumed_at = _stop_at(point, sig, overrides, run_env, ckpt, tmp_path / f"run{n}.log", resumed_at, own_api=n == 2)
 
-    # The signal lands while the flow runs, where Prefect's engine turns it into a TerminationSignal and the
-    # CLI reports an interruption: one path, one exit code.
-    second.send_signal(signal.SIGTERM)
-    code = second.wait(timeout=120)
-    text = second_log.read_text()
+
+# Where the resumed runs are stopped: at the end of an epoch (the flow's wait returns as the epoch's task completes,
+# and the signal is handled right then: the moment where a `ray.cancel` aborted the process), by Ctrl-C in the
+# middle of a step (SIGINT to the whole process group, as a terminal sends it), and while a checkpoint is written.
+STOPS = [("epoch_end", signal.SIGTERM), ("mid_step", signal.SIGINT), ("checkpoint_write", signal.SIGTERM)]
+
+
+def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ckpt, log, resumed_at: int, own_api: bool) -> int:
+    """Start the run (same command), check it resumed after `resumed_at`, send `sig` at `point`; check the stop:
+    exit 130, the interruption line, no traceback or Ray abort on the console, its processes gone, its last
+    checkpoint intact. Returns that checkpoint's step."""
+    from omni_core.checkpoint import find_latest, verify_checkpoint
+    from omni_core.checkpoint.layout import TMP_PREFIX
+
+    before, entries = set((ckpt / "logs").iterdir()), {p.name for p in ckpt.iterdir()}
+    proc = _train(overrides, env, log)
+    if point == "epoch_end":  # the next even step ends an epoch (2 steps each)
+        target = resumed_at + 2 - resumed_at % 2
+        _wait_for(lambda: _latest(ckpt) == str(target), proc, 600, log, poll_s=0.01)
+    elif point == "mid_step":
+        _wait_for(lambda: _latest(ckpt) == str(resumed_at + 1), proc, 600, log, poll_s=0.01)
+        time.sleep(0.3)  # into the next step
+    else:
+        writing = lambda: any(p.name.startswith(TMP_PREFIX) and p.name not in entries for p in ckpt.iterdir())  # noqa: E731
+        _wait_for(writing, proc, 600, log, poll_s=0.005)  # a new temporary folder: this run's writer, not a leftover
+    spawned = [p for p in _descendants(proc.pid) if p.is_running()]
+    names = " ".join(" ".join(p.cmdline()) for p in spawned)
+    assert "raylet" in names and "RolloutWorker" in names  # what must go away (the rollout worker samples ahead)
+    assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in spawned) == own_api
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole foreground process group
+    else:
+        proc.send_signal(sig)
+    code = proc.wait(timeout=120)
+    text = log.read_text()
     assert code == 130, text[-3000:]
     assert "omniflow: interrupted; the last checkpoint is intact and the run's processes are stopped" in text, text[-3000:]
-    wait_gone(spawned, timeout_s=60)
+    for noise in ("Traceback", "Check failed", "StackTrace", "Error"):  # the console shows the stop, nothing else
+        assert noise not in text, (point, text[-3000:])
     assert "Starting temporary server" not in text  # one API for the whole run, never an ephemeral one
+    wait_gone(spawned, timeout_s=60)
+    (run_logs,) = set((ckpt / "logs").iterdir()) - before
+    assert _step_records(run_logs)[0] == resumed_at + 1  # it resumed: only the steps after the checkpoint
+    kept = run_logs / "ray"  # Ray's own logs (the cluster this run started), kept with the run's metrics
+    assert (kept / "gcs_server.out").is_file() and any(kept.glob("python-core-driver-*.log")), list(kept.glob("*"))
     latest = find_latest(ckpt)
-    assert latest is not None and int(latest.name.removeprefix("global_step_")) > resumed_at, latest
-    verify_checkpoint(latest)
+    assert latest is not None, point
+    verify_checkpoint(latest)  # intact: every file matches its manifest hash
     assert read_state(latest, "rollout_queue")["groups"] == 1  # the next step's group, sampled ahead and recorded
+    return int(latest.name.removeprefix("global_step_"))

@@ -6,10 +6,10 @@ group of 2 bundles (a rank and its colocated rollout worker: 2 CPUs each), then 
 Neither node has the 4 free CPUs that would hold both bundles, so PACK places one bundle on each node,
 as it spreads a real cluster's ranks when one node's GPUs cannot hold them all.
 
-* `omniflow train ray_kwargs.ray_init.address=<head>` completes; Ray's state API shows the two training ranks
-  on different nodes (their gloo group spans the nodes), each rank's rollout worker on its rank's node,
+* `omniflow train ray_kwargs.ray_init.address=<head>` trains its first epoch; Ray's state API shows the two training
+  ranks on different nodes (their gloo group spans the nodes), each rank's rollout worker on its rank's node,
   TransferQueue's storage units on both nodes (TQ places them round-robin), and one shared-storage probe
-  task per node.
+  task per node. The run is then stopped (SIGTERM): its actors go, the cluster it joined stays up.
 * A checkpoint folder that resolves per node fails the run at start with the node that cannot see it: each
   raylet runs with its own HOME (as two hosts have two home disks) and `trainer.default_local_dir=~/...`.
 """
@@ -36,7 +36,7 @@ from ray.util.state import list_actors, list_nodes, list_tasks
 
 address, task_name = sys.argv[1], sys.argv[2]
 nodes = [{"id": n.node_id, "ip": n.node_ip, "state": n.state, "resources": n.resources_total} for n in list_nodes(address=address)]
-actors = [{"name": a.name, "class": a.class_name, "node": a.node_id} for a in list_actors(address=address, limit=10000)]
+actors = [{"name": a.name, "class": a.class_name, "node": a.node_id, "state": a.state} for a in list_actors(address=address, limit=10000)]
 tasks = [{"node": t.node_id, "state": t.state} for t in list_tasks(address=address, filters=[("name", "=", task_name)], limit=10000)]
 print("STATE=" + json.dumps({"nodes": nodes, "actors": actors, "tasks": tasks}))
 """
@@ -63,7 +63,17 @@ def _node_by_resource(state: dict) -> dict[str, str]:
     return {r: n["id"] for n in state["nodes"] if n["state"] == "ALIVE" for r in n["resources"] if r in NODE_RESOURCES}
 
 
-def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nodes, flow_overrides, prefect_api, tmp_path):
+def test_a_run_joined_by_address_trains_with_its_actors_on_both_nodes_and_a_stop_leaves_the_cluster_up(
+    two_nodes, flow_overrides, prefect_api, tmp_path
+):
+    """The run trains its first epoch across both nodes, then is stopped (SIGTERM, as a UI cancel or a scheduler's
+    stop reaches the flow): it ends with exit 130 and the interruption line, its actors are gone from the cluster,
+    and the cluster it joined (not its own) stays up with both nodes alive."""
+    import signal
+
+    from test_cli_runs import _latest, _wait_for
+
+    from omni_core.checkpoint import find_latest, verify_checkpoint
     from omni_core.shared_storage import PROBE_PREFIX, PROBE_TASK_NAME
 
     cluster, _ = two_nodes
@@ -72,7 +82,7 @@ def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nod
         *flow_overrides,
         f"ray_kwargs.ray_init.address={cluster.address}",
         f"trainer.default_local_dir={ckpt}",
-        "trainer.total_epochs=1",
+        "trainer.total_epochs=3",
         "trainer.experiment_name=multinode",
         "trainer.nnodes=2",
         "trainer.n_gpus_per_node=1",
@@ -83,18 +93,22 @@ def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nod
     ]
     # The session's Prefect API, as a cluster run uses one server that every node reaches (README).
     env = {**cluster.client_env, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
-    run = subprocess.run(
-        [sys.executable, "-m", "omniflow.flows.cli", "train", *overrides], capture_output=True, text=True, timeout=540, env=env
+    log = tmp_path / "train.log"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "omniflow.flows.cli", "train", *overrides], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env
     )
-    log = run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.returncode == 0, log + "\n" + cluster.health()
-    assert (ckpt / "global_step_1" / "actor" / "model.safetensors").is_file(), log
-    assert not [p for p in ckpt.rglob("*") if p.name.startswith(PROBE_PREFIX)], "probe files left behind"
+    try:
+        _wait_for(lambda: _latest(ckpt) == "1", run, 480, log)  # the first epoch trained, on both nodes
+        assert (ckpt / "global_step_1" / "actor" / "model.safetensors").is_file()
+        assert not [p for p in ckpt.rglob("*") if p.name.startswith(PROBE_PREFIX)], "probe files left behind"
+        state = _cluster_state(cluster, PROBE_TASK_NAME)
+    except BaseException:
+        run.kill()
+        raise
 
-    state = _cluster_state(cluster, PROBE_TASK_NAME)
     node_of = _node_by_resource(state)
     assert sorted(node_of) == sorted(NODE_RESOURCES), (state["nodes"], cluster.health())
-    actors = {a["name"]: a["node"] for a in state["actors"] if a["name"]}
+    actors = {a["name"]: a["node"] for a in state["actors"] if a["name"] and a["state"] == "ALIVE"}
     units = {name: node for name, node in actors.items() if name.startswith("TransferQueueStorageUnit#")}
     assert len(units) == 2 and set(units.values()) == set(node_of.values()), actors
     run_actors = {name.split("-", 3)[3]: node for name, node in actors.items() if name.startswith("omniflow-multinode-")}
@@ -107,6 +121,19 @@ def test_a_run_joined_by_address_completes_with_its_actors_on_both_nodes(two_nod
     # The shared-storage check ran its rounds (write, look, remove) on each node.
     probes = [t["node"] for t in state["tasks"]]
     assert set(probes) == set(node_of.values()) and {t["state"] for t in state["tasks"]} == {"FINISHED"}, state
+
+    # The stop, while the run trains its next epochs on the cluster it joined.
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=120)
+    text = log.read_text()
+    assert code == 130, text[-4000:] + "\n" + cluster.health()
+    assert "omniflow: interrupted; the last checkpoint is intact and the run's processes are stopped" in text, text[-3000:]
+    assert "Check failed" not in text and "Traceback" not in text, text[-4000:]
+    verify_checkpoint(find_latest(ckpt))
+    after = _cluster_state(cluster, PROBE_TASK_NAME)
+    alive = [a["name"] for a in after["actors"] if a["state"] == "ALIVE" and (a["name"] or "").startswith("omniflow-")]
+    assert alive == [], alive  # the run's ranks, rollout workers and control actor are gone
+    assert [n["state"] for n in after["nodes"]] == ["ALIVE", "ALIVE"], cluster.health()  # the cluster is not the run's to stop
 
 
 _JOIN = """

@@ -128,10 +128,10 @@ def test_a_stop_request_ends_an_epoch_before_its_next_step(control, tmp_path):
 
 def test_a_step_blocked_in_an_actor_call_ends_when_the_stop_kills_the_run_actors(control, tmp_path):
     """A step that waits on a run actor (an update that would take a minute) does not see the request; after
-    `STOP_EPOCH_WAIT_S` the run's actors are killed, the call fails, and the failure is the stop, not a dead actor
+    `STOP_REQUEST_GRACE_S` the run's actors are killed, the call fails, and the failure is the stop, not a dead actor
     to retry. The control actor itself survives until the run closes."""
     import ray
-    from omniflow.flows.cancellation import STOP_EPOCH_WAIT_S, stop_epoch
+    from omniflow.flows.cancellation import STOP_REQUEST_GRACE_S, STOP_UNWIND_WAIT_S, stop_epoch
 
     from omni_core.faults import is_retryable
     from omni_core.run_control import RunStopRequested, raise_if_stop_requested, run_actor_names
@@ -158,7 +158,7 @@ def test_a_step_blocked_in_an_actor_call_ends_when_the_stop_kills_the_run_actors
     ref = epoch.remote(control, rank, tmp_path / "started")
     _wait_for_file(tmp_path / "started")  # the step is in the actor call
     stop_epoch(ref, control, "a test")
-    assert ray.wait([ref], timeout=0)[0], f"the epoch did not end within 2 x {STOP_EPOCH_WAIT_S} s"
+    assert ray.wait([ref], timeout=0)[0], f"the epoch did not end within {STOP_REQUEST_GRACE_S + STOP_UNWIND_WAIT_S} s"
     with pytest.raises(RunStopRequested, match="stopped during step 1: a test") as err:
         ray.get(ref)
     assert not is_retryable(err.value)
