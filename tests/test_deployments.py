@@ -130,6 +130,23 @@ def stack(tmp_path_factory, flow_overrides):
                     ],
                 },
             )
+            # A reward file outside the folders `serve` allows (OMNIFLOW_ALLOWED_REWARD_DIRS unset: only
+            # examples/rewards). A valid file, so that the folder is the only problem; importing it would leave a mark.
+            outside = root / "outside-rewards"
+            outside.mkdir()
+            (outside / "reward.py").write_text(
+                f"open({str(root / 'imported.mark')!r}, 'w').close()\n\n"
+                "def compute_score(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n"
+            )
+            s.runs["reward_file"] = client.create_flow_run_from_deployment(
+                on_demand.id,
+                parameters={
+                    "overrides": [
+                        *_lean(flow_overrides, root / "reward-file-ckpt", "reward-file"),  # lean, were it not refused
+                        f"reward.custom_reward_function.path={outside / 'reward.py'}",
+                    ]
+                },
+            )
         with api(pooled.url) as client:
             s.runs["pooled"] = client.create_flow_run_from_deployment(
                 deployment(client, FLOW, "tiny-sd3-on-demand").id,
@@ -231,6 +248,22 @@ def test_cross_field_violation_fails_the_run_before_any_ray_worker(stack):
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     # Only the first stage ran: no init_transfer_queue, so no Ray cluster, TransferQueue or actor.
     assert [(t.name.rsplit("-", 1)[0], t.state.name) for t in tasks] == [("validate_config", "Failed")]
+
+
+def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_before_any_ray_worker(stack):
+    """A run triggered through the API may not import a reward file from anywhere (it is code the run executes): the
+    run ends Failed naming the key and the variable that allows a folder, in validate_config, and never imports it."""
+    from omni_core.validation.rewards import ALLOWED_REWARD_DIRS_ENV
+
+    run = wait_final(stack.served_url, stack.runs["reward_file"].id, RUN_TIMEOUT_S, stack.root / "serve.log")
+    assert run.state.type.value == "FAILED", run.state.message
+    message = run.state.message or ""
+    assert f"reward.custom_reward_function.path={stack.root / 'outside-rewards' / 'reward.py'}" in message, message
+    assert ALLOWED_REWARD_DIRS_ENV in message and "a run started through a deployment imports reward files only" in message
+    with api(stack.served_url) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    assert [(t.name.rsplit("-", 1)[0], t.state.name) for t in tasks] == [("validate_config", "Failed")]
+    assert not (stack.root / "imported.mark").exists()  # parsed to check it, never imported
 
 
 # ----------------------------------------------------------------------------- work pool path
@@ -402,7 +435,7 @@ def test_stopping_serve_leaves_the_deployments_active(stack):
     import psutil
 
     # The runs this serve process executes end first, so that no other test depends on running before this one.
-    for name in ("served", "cross_field"):
+    for name in ("served", "cross_field", "reward_file"):
         wait_final(stack.served_url, stack.runs[name].id, RUN_TIMEOUT_S, stack.root / "serve.log")
     serve = psutil.Process(stack.serve.pid)
     tree = [serve, *serve.children(recursive=True)]
