@@ -10,6 +10,32 @@ from safetensors.torch import load_file
 
 # The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
+# ... with epochs of two steps (one prompt x 4 samples each, 2 per rank) and a checkpoint after every step: steps 1 and 3
+# are saved inside an epoch, 2 and 4 at its end (cosine lr x 1, 0.85, 0.5, 0.15; retention keeps the last 3 checkpoints).
+MID_EPOCH = [
+    *TWO_RANKS,
+    "data.train_batch_size=1",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "trainer.save_freq=1",
+]
+
+_session_runs: dict[str, Path] = {}
+
+
+def run_mid_epoch_reference(flow_overrides: list[str], tmp_path_factory) -> Path:
+    """The checkpoint folder of the uninterrupted in-process run of `flow_overrides` + `MID_EPOCH`, made once per session
+    for whichever test module asks first (test_cli_runs, test_checkpoint_faults): a session fixture imported into two
+    modules would run once per module. Needs the session's Prefect API, Ray cluster and TransferQueue."""
+    if "mid_epoch" not in _session_runs:
+        from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+        ckpt = tmp_path_factory.mktemp("mid_epoch_reference") / "ckpt"
+        state = main_diffusion_v1(overrides=[*flow_overrides, *MID_EPOCH, f"trainer.default_local_dir={ckpt}"], return_state=True)
+        assert state.is_completed(), state.message
+        assert state.result().global_step == 4
+        _session_runs["mid_epoch"] = ckpt
+    return _session_runs["mid_epoch"]
 
 
 def final_weights(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:

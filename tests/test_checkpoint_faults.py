@@ -1,8 +1,9 @@
 """Checkpoint faults with real faults (issue 11, items 1-5 and 14): real folders, a truncated file, a writer
-killed by pid, a full tmpfs, a changed config. omni_core-level (no Ray, no flow run): each fault lives in the
+killed by pid, a full tmpfs, a changed config. Mostly omni_core-level (no Ray, no flow run): each fault lives in the
 checkpoint folder, so the checks the run makes at start (`resume_point`, `resume_problems`,
 `checkpoint_folder_problems`) and the writer are exercised directly, on checkpoints the training actor of the
-tiny model writes itself."""
+tiny model writes itself. One flow run (the last test) resumes the same command on a folder damaged all three ways at
+once and ends with the uninterrupted run's weights."""
 
 from __future__ import annotations
 
@@ -157,12 +158,9 @@ def test_export_refuses_targets_that_hold_the_model_or_checkpoint(tmp_path, tiny
 def test_truncated_latest_checkpoint_falls_back_to_the_newest_that_verifies(actor_run, tmp_path, tiny_sd3_dir):
     root = _copy(actor_run[0], tmp_path)
     model = root / "global_step_2" / "actor" / "model.safetensors"
+    half = model.stat().st_size // 2
     with open(model, "r+b") as f:  # half of the file cut off, as a full disk or a killed copy leaves it
-        f.truncate(model.stat().st_size // 2)
-    lines: list[str] = []
-    assert resume_point(root, "auto", log_fn=lines.append) == root / "global_step_1"
-    assert f"skipping checkpoint {root / 'global_step_2'}" in lines[0] and f"{model} has " in lines[0] and "truncated" in lines[0]
-    assert lines[1] == f"resuming from {root / 'global_step_1'}, the newest checkpoint that matches its manifest"
+        f.truncate(half)
     cfg = _config(tiny_sd3_dir, root)
     assert resume_problems(cfg) == []  # before Ray: a fallback exists
 
@@ -173,15 +171,37 @@ def test_truncated_latest_checkpoint_falls_back_to_the_newest_that_verifies(acto
     first.write_bytes(bytes(data))
     verify_checkpoint(root / "global_step_1", hashes=False)
     with pytest.raises(CheckpointError) as err:
-        resume_point(root, "auto", log_fn=lines.append)
+        resume_point(root, "auto")
     assert f"{model} has " in str(err.value) and f"{first} has a different sha256" in str(err.value)
     assert "move the damaged global_step_N folders" in str(err.value)
+    assert _steps(root) == ["global_step_1", "global_step_2"]  # nothing to resume: nothing is moved
 
     # Nothing verifies even by size: refused by the check that runs before Ray, naming the file.
     with open(first, "r+b") as f:
         f.truncate(10)
     (problem,) = resume_problems(cfg)
     assert problem.key == "trainer.resume_mode" and str(first) in problem.message and "safetensors" in problem.message
+
+    # Step 1 intact, step 2 truncated: the run resumes from step 1 and moves step 2 aside (kept, out of the way of the
+    # step 2 it is about to save: the writer never replaces another run's complete checkpoint).
+    root = tmp_path / "second"
+    shutil.copytree(actor_run[0], root)
+    model = root / "global_step_2" / "actor" / "model.safetensors"
+    with open(model, "r+b") as f:
+        f.truncate(half)
+    lines: list[str] = []
+    assert resume_point(root, "auto", log_fn=lines.append) == root / "global_step_1"
+    assert f"skipping checkpoint {root / 'global_step_2'}" in lines[0] and f"{model} has " in lines[0] and "truncated" in lines[0]
+    assert lines[1] == f"resuming from {root / 'global_step_1'}, the newest checkpoint that matches its manifest"
+    aside = root / "global_step_2.damaged"
+    assert lines[2].startswith(f"moved {root / 'global_step_2'} aside to {aside}: the run resumes from {root / 'global_step_1'}")
+    assert _steps(root) == ["global_step_1", "global_step_2.damaged"] and read_latest_step(root) == 1
+    assert (aside / "actor" / "model.safetensors").stat().st_size == half and (aside / "manifest.json").is_file()
+    assert _small_save(root, 2, "run-b") == root / "global_step_2" and read_latest_step(root) == 2
+    # Damaged again: the next start moves it beside the first.
+    (root / "global_step_2" / "actor" / "model.safetensors").write_bytes(b"")
+    assert resume_point(root, "auto") == root / "global_step_1"
+    assert _steps(root) == ["global_step_1", "global_step_2.damaged", "global_step_2.damaged-2"]
 
 
 # ------------------------------------------------------------------ 4. a writer killed mid-write
@@ -332,3 +352,57 @@ def test_a_checkpoint_without_the_optimizer_is_export_only(actor_run, tiny_sd3_d
         actor.reset(str(path))
     manifest = json.loads((path / "manifest.json").read_text())
     assert "actor/hf/config.json" in {e["path"] for e in manifest["files"]}  # still exportable
+
+
+# ------------------------------------------------------------------ 3 + 4, through the flow
+@pytest.fixture(scope="module")
+def mid_epoch_reference(flow_overrides, prefect_api, ray_cluster, transfer_queue, tmp_path_factory) -> Path:
+    from flow_utils import run_mid_epoch_reference
+
+    return run_mid_epoch_reference(flow_overrides, tmp_path_factory)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (a writer SIGKILLed mid-save leaves its pid in its temp folder's name)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    return proc.pid
+
+
+@pytest.mark.timeout(900)
+def test_the_same_command_on_a_damaged_folder_resumes_the_newest_good_checkpoint(flow_overrides, mid_epoch_reference, tmp_path):
+    """A finished run's folder (steps 2, 3 and 4 kept), damaged three ways: the latest checkpoint's weights cut short,
+    one byte of step 3's weights flipped (same size: only the sha256 sees it) and a dead writer's `.tmp_` folder. The
+    same command skips 4 and 3 (moved aside, out of the way of the steps it saves again), removes the leftover, resumes
+    from step 2, trains steps 3 and 4 again and ends with the uninterrupted run's weights, bit for bit (resuming the
+    flipped step 3 would not)."""
+    from flow_utils import MID_EPOCH, assert_same_weights, final_weights
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    from omni_core.tracking import read_jsonl
+
+    root = _copy(mid_epoch_reference, tmp_path)
+    assert _steps(root) == ["global_step_2", "global_step_3", "global_step_4"] and read_latest_step(root) == 4
+    truncated = root / "global_step_4" / "actor" / "model.safetensors"
+    with open(truncated, "r+b") as f:
+        f.truncate(truncated.stat().st_size - 4096)
+    flipped = root / "global_step_3" / "actor" / "model.safetensors"
+    data = bytearray(flipped.read_bytes())
+    data[-4] ^= 0x01  # the lowest mantissa bit of the last float32: a weight off by one ulp, the file the same size
+    flipped.write_bytes(bytes(data))
+    verify_checkpoint(root / "global_step_3", hashes=False)  # sizes alone pass it
+    leftover = root / f".tmp_global_step_4_{_dead_pid()}"
+    (leftover / "actor").mkdir(parents=True)
+    shutil.copy(root / "global_step_4" / "actor" / "optimizer.pt", leftover / "actor")  # a save cut off mid-write
+
+    state = main_diffusion_v1(overrides=[*flow_overrides, *MID_EPOCH, f"trainer.default_local_dir={root}"], return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    steps = [r["step"] for r in read_jsonl(Path(result.log_dir) / "metrics.jsonl") if "critic/rewards/mean" in r]
+    assert steps == [3, 4]  # resumed from step 2: steps 3 and 4 trained again, nothing else
+    assert not leftover.exists()
+    assert _steps(root) == ["global_step_2", "global_step_3", "global_step_3.damaged", "global_step_4", "global_step_4.damaged"]
+    assert read_latest_step(root) == 4
+    for step in (2, 3, 4):
+        verify_checkpoint(root / f"global_step_{step}")
+    assert_same_weights(final_weights(root), final_weights(mid_epoch_reference))

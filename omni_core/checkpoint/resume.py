@@ -4,7 +4,9 @@
 are never candidates. It is newer than `latest_checkpointed_iteration.txt` when a run died between the
 final rename and the `latest` write: the checkpoint is complete (fsynced before the rename), so it wins.
 `resume_point` is what a run does first with its folder: remove dead writers' `.tmp_*` leftovers, then
-choose the resume point, skipping checkpoints that no longer match their manifest. Retention never deletes
+choose the resume point, skipping checkpoints that no longer match their manifest, and move those skipped ones
+aside (`global_step_N.damaged`): the run is about to write those steps again, and the writer never replaces a
+complete checkpoint of another run, so left in place they would stop it at its next save. Retention never deletes
 the latest checkpoint, a protected one (the checkpoint a running `fit_epoch` would restart from, DESIGN.md
 section 2), nor another run's checkpoint newer than the current run's oldest.
 """
@@ -27,9 +29,10 @@ from omni_core.checkpoint.layout import (
     complete_steps,
     is_complete,
     read_latest_step,
+    step_of,
 )
 from omni_core.checkpoint.lock import pid_alive, read_lock
-from omni_core.checkpoint.writer import run_id_of, verify_checkpoint
+from omni_core.checkpoint.writer import run_id_of, verify_checkpoint, write_latest
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +68,42 @@ def resume_point(
     `CheckpointError` naming each damaged file. With `hashes` every byte is hashed (sha256, about 1 GB/s per
     core: seconds for a LoRA checkpoint, ~20-30 s for a full fine-tune of a 2B model with its Adam state); a
     run pays it once when it starts, never per epoch. `hashes=False` checks sizes only (one stat per file),
-    which is what `omniflow validate` does.
+    which is what `omniflow validate` does. The skipped (damaged) checkpoints are moved aside, kept for
+    inspection (`set_aside_newer`), and `latest` names the resume point.
     """
     cleanup_partial(root)
-    return choose_resume(root, resume_mode, resume_from_path, hashes, log_fn)
+    path = choose_resume(root, resume_mode, resume_from_path, hashes, log_fn)
+    if path is not None and resume_mode == "auto":
+        set_aside_newer(root, path, log_fn)
+    return path
+
+
+def set_aside_newer(root: str | Path, resume: Path, log_fn: Callable[[str], None] | None = None) -> list[Path]:
+    """Rename every complete checkpoint newer than `resume` (in `auto` mode: those that failed verification) to
+    `global_step_N.damaged` (`.damaged-2`, ... if taken), out of the run's way, then point `latest` at `resume`.
+
+    The run resuming from `resume` writes those steps again, and `commit` refuses to replace a complete checkpoint
+    of another run (or the one `latest` names): left in place, they would fail its first save. Renamed, not deleted:
+    a damaged checkpoint may still be restored by hand. Call while holding the RunLock.
+    """
+    root, resume_step = Path(root), step_of(resume)
+    moved = []
+    for step, path in sorted(complete_steps(root).items()):
+        if step <= resume_step:
+            continue
+        aside, n = root / f"{path.name}.damaged", 1
+        while aside.exists():
+            n += 1
+            aside = root / f"{path.name}.damaged-{n}"
+        os.rename(path, aside)
+        moved.append(aside)
+        (log_fn or log.warning)(
+            f"moved {path} aside to {aside}: the run resumes from {resume} and will write step {step} again "
+            "(delete it once it is no longer needed)"
+        )
+    if moved and read_latest_step(root) != resume_step:
+        write_latest(root, resume_step)
+    return moved
 
 
 def choose_resume(
