@@ -302,8 +302,12 @@ def test_a_killed_transfer_queue_actor_is_replaced_and_the_epoch_redone(
     assert "TransferQueue" in (failed.state.message or ""), failed.state.message
     # The cluster's TransferQueue is whole again (the session's other tests go on using it).
     assert tqc.dead_transfer_queue_actors() == []
-    assert victim in dict(tqc._transfer_queue_actor_names())
-    assert ray.get_actor(victim, namespace=dict(tqc._transfer_queue_actor_names())[victim]) is not None
+    # The victim's name now belongs to one live actor of its class, in another process than the one killed, that
+    # answers a call (ray.get_actor alone only says the name is registered: it raises when it is not).
+    namespace = dict(tqc._transfer_queue_actor_names())[victim]
+    live = [a for a in _actors_named(victim) if a.state == "ALIVE"]
+    assert [(a.class_name, a.pid in killed) for a in live] == [(class_name, False)], live
+    assert ray.get(ray.get_actor(victim, namespace=namespace).__ray_ready__.remote(), timeout=60) is True
 
 
 # --------------------------------------------------------------------------------------- item 15
