@@ -1,5 +1,6 @@
 """Reward servers over real HTTP on 127.0.0.1: `omniflow reward-server` as a subprocess, small in-test servers for
-the client's retries, headers and flow_grpo's pickle format, and one training run whose reward is served."""
+the client's retries (408, 429, 5xx, a hung attempt; not 400), headers, URL credentials and flow_grpo's pickle
+format, and one training run whose reward is served behind a bearer token that none of its records may hold."""
 
 from __future__ import annotations
 
