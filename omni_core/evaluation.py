@@ -203,12 +203,9 @@ def evaluate_trained_checkpoint(
     `out_dir`: a new or empty folder, default `evaluate-global_step_N` next to the checkpoint (`-2`, `-3`, ... when
     taken). Raises `RefusedError` (nothing written) for arguments it cannot use, `ConfigError` for bad overrides.
     """
+    given_out = require_new_folder(out_dir, "--out") if out_dir is not None else None
     ckpt = open_trained_checkpoint(checkpoint)
-    out = (
-        require_new_folder(out_dir, "--out")
-        if out_dir is not None
-        else new_folder_next_to(ckpt.path, f"evaluate-{ckpt.path.name}")
-    )
+    out = given_out or new_folder_next_to(ckpt.path, f"evaluate-{ckpt.path.name}")
     config = auto_set_device(load_config([ckpt.config_file], overrides))
     model = config.actor_rollout_ref.model
     try:

@@ -67,8 +67,8 @@ def export_trained_checkpoint(
     checkpoint config's `actor_rollout_ref.model.path`. Raises `RefusedError` (nothing written) for a missing or
     damaged checkpoint, a non-empty `out_dir`, or a format the checkpoint cannot give.
     """
+    out = require_new_folder(out_dir)  # first: it costs nothing, the manifest check reads every byte
     ckpt = open_trained_checkpoint(checkpoint)
-    out = require_new_folder(out_dir)
     fmt = format or ("lora" if ckpt.is_lora else "full")
     if fmt not in FORMATS:
         raise RefusedError(f"--format {fmt}: not one of {', '.join(FORMATS)}")
