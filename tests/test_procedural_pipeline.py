@@ -9,7 +9,9 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -125,3 +127,34 @@ def test_a_finished_base_is_reused_and_never_overwritten(short_run):
     with pytest.raises(FileExistsError, match="another design or settings"):
         pretrain_to_plateau(base, base, design, SupervisedSettings(lr=1e-3))
     assert (base / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == before
+
+
+def test_the_report_shows_the_trained_model_not_the_base_as_rl(short_run, tmp_path):
+    """The "rl" row and grid are the RL checkpoint's own evaluation, and they are not the base's: evaluated again here
+    from the checkpoint (the same function, threads and seeds as the flow's Ray task), the grid is bit for bit the
+    report's `rl.png` and the accuracies its rl row; `base.png` differs. Evaluating the base as "rl" fails both.
+
+    At this size the base learns next to nothing (in the runs measured: every accuracy 0, every RL reward 0, so the
+    update's gradient 0 too), so the rows' percentages cannot tell the models apart; the grids can (AdamW's weight
+    decay alone moves the weights off the base)."""
+    import os
+
+    import torch
+    from omniflow.flows.procedural_geneval import design_from
+
+    from omni_core.procedural.report import headline
+    from omni_core.procedural.stages import evaluate_model
+
+    _, result, _ = short_run
+    eval_dir = Path(result.run_dir) / "eval"
+    grids = {m: np.asarray(Image.open(eval_dir / f"{m}.png")) for m in ("base", "rl")}
+    assert grids["base"].shape == grids["rl"].shape and not np.array_equal(grids["base"], grids["rl"])
+
+    design = design_from(0, 0.7, 0.7, 0.0, 24, 4)  # the flow's defaults, renders_per_combination=4 as short_run
+    threads = torch.get_num_threads()
+    try:  # the Ray task's thread count (stages._threads), so that the kernels round the same way
+        again = evaluate_model(result.base_dir, result.rl_run["checkpoint"], design, tmp_path / "rl.png", 1, 0, os.cpu_count())
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(np.asarray(Image.open(again["grid"])), grids["rl"])
+    assert headline(again["summary"]) == result.models["rl"]
