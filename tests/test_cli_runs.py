@@ -132,4 +132,6 @@ def test_a_run_sigkilled_mid_epoch_resumes_to_identical_weights(flow_overrides, 
     (second_logs,) = set((ckpt / "logs").iterdir()) - first_logs
     assert _step_records(second_logs) == [2, 3, 4]
     assert _latest(ckpt) == "4"
+    # It finished epoch 1 first (its end saved step 2), then ran epoch 2; retention kept the last three checkpoints.
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step_")) == [f"global_step_{s}" for s in (2, 3, 4)]
     assert_same_weights(final_weights(ckpt), reference_weights)
