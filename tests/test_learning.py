@@ -71,8 +71,9 @@ def test_a_policy_update_on_real_rewards_raises_the_best_sample_against_the_wors
 # A run that learns in few steps: the example brightness reward (mean pixel / 255; the random tiny SD3 draws ~0.44),
 # lr 5e-3, every SDE step trained (window null, as `make run`), one epoch of STEPS steps of 2 prompts x 4 samples,
 # no validation. Measured: (last - first) / noise 9.1, 17.4 and 19.6 for this run at rollout seeds 42 (the default),
-# 0 and 1; 7.3-31.3 in-process with the same components (seeds 0-5); -5.5 with the advantages negated. The threshold: the difference of two 3-step means of a run that learns nothing has a std of ~0.8 noise, so 3x
-# noise is ~3.7 of its std above no learning.
+# 0 and 1; 7.3-31.3 in-process with the same components (seeds 0-5); -5.5 with the advantages negated. The threshold:
+# the difference of two 3-step means of a run that learns nothing has a std of ~0.8 noise, so 3x noise is ~3.7 of its
+# std above no learning.
 BRIGHTNESS = Path(__file__).resolve().parents[1] / "examples" / "rewards" / "brightness_reward.py"
 STEPS = 10
 MIN_RISE_IN_NOISE = 3.0  # (reward_last - reward_first) / reward_step_noise, each a 3-step mean
