@@ -186,9 +186,8 @@ def test_the_readme_results_table_equals_the_stored_benchmark_json():
                 else ["", "", bias]
             )
             for model in ("base", "rl", "control"):
-                row.append(
-                    f"{_pct(seed[f'{model}_accuracy']['biases'][bias])} / {_pct(seed[f'{model}_accuracy_held_out']['biases'][bias])}"
-                )
+                seen, held = seed[f"{model}_accuracy"]["biases"][bias], seed[f"{model}_accuracy_held_out"]["biases"][bias]
+                row.append(f"{_pct(seen)} / {_pct(held)}")
             row.append(f"{100 * seed['target']['rl_minus_control'][bias]:+.1f}")
             row += [f"{100 * seed['guard']['rl']:.1f} pts", f"{seed['wall_seconds'] / 60:.1f} min"] if first else ["", ""]
             expected.append(row)
