@@ -29,11 +29,10 @@ import torch
 from omni_core.checkpoint.files import read_tensors
 from omni_core.checkpoint.layout import ACTOR_DIR, EMA_NAME
 from omni_core.checkpoint.trained import RefusedError, new_folder_next_to, open_trained_checkpoint, require_new_folder
-from omni_core.config import OmniFlowConfig, load_config
+from omni_core.config import OmniFlowConfig
 from omni_core.config.schema import DataConfig
 from omni_core.data.prompts import PromptRecord, load_prompts
 from omni_core.data_files import DataFileError, as_file_list
-from omni_core.device import auto_set_device
 from omni_core.models.loader import check_pipeline_folder
 from omni_core.models.model_index import ModelLoadError
 from omni_core.models.placement import rollout_policy_kwargs
@@ -42,6 +41,7 @@ from omni_core.reports.images import save_image_grid
 from omni_core.rewards.manager import RewardManager
 from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
+from omni_core.validation import prepare_run_config
 
 MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors
 EVAL_TIMEOUT_S = 6 * 3600.0  # every wait is bounded (DESIGN.md section 7)
@@ -206,7 +206,8 @@ def evaluate_trained_checkpoint(
     given_out = require_new_folder(out_dir, "--out") if out_dir is not None else None
     ckpt = open_trained_checkpoint(checkpoint)
     out = given_out or new_folder_next_to(ckpt.path, f"evaluate-{ckpt.path.name}")
-    config = auto_set_device(load_config([ckpt.config_file], overrides))
+    # Every rule a run's config meets (`omniflow train`'s own check), on the saved config with the overrides on top.
+    config = prepare_run_config(None, overrides, [ckpt.config_file])
     model = config.actor_rollout_ref.model
     try:
         check_pipeline_folder(model.path, model.architecture)

@@ -43,8 +43,12 @@ def test_ray_task_and_actor_names_match_prefect_tasks_and_roles(flow_reference, 
         for a in list_actors(address=address, filters=[("name", "!=", "")], limit=10_000)
         if result.run_id in (a.name or "")
     }
-    # The lean config runs verl's hybrid engine: the training actor is also the rollout worker (test_hybrid_engine).
-    assert actors == {f"omniflow-{result.run_id}-training-actor": "TrainingActor"}
+    # The lean config runs verl's hybrid engine: the training actor is also the rollout worker (test_hybrid_engine);
+    # the run's control actor holds a stop request (omni_core.run_control).
+    assert actors == {
+        f"omniflow-{result.run_id}-training-actor": "TrainingActor",
+        f"omniflow-{result.run_id}-run-control": "RunControl",
+    }
     # prefect-ray submits each Prefect task as a Ray task of the same name: one per epoch of this run. The
     # session's other runs share the cluster (and the Ray job), so this run's are told apart by time: each
     # Prefect task run `fit_epoch-<epoch>` of its fit subflow lies inside the Ray task that executed it.
