@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.bench  # a benchmark script: `make test-bench` (CI runs it)
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # 32 px and 4 steps instead of 64 px and 10: the same 2 prompts x 8 samples (one mini-batch of 16), faster.
 SMALL = [

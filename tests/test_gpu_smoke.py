@@ -67,6 +67,7 @@ def _numbers(obj, path="$"):
         yield path, obj
 
 
+@pytest.mark.bench
 def test_without_cuda_exits_2_with_the_message():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a GPU machine
     proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -82,6 +83,7 @@ def test_published_config_names_are_constructor_keywords(name):
     assert set(transformer_config(name, shrink=True)) <= accepted
 
 
+@pytest.mark.bench
 def test_full_fine_tuning_memory_rule():
     rule = _load_script().full_ft_skip_reason
     flux, sd35 = count_transformer_parameters("flux.1-dev"), count_transformer_parameters("sd3.5-medium")
@@ -92,6 +94,7 @@ def test_full_fine_tuning_memory_rule():
     assert rule(sd35, H200_BYTES) is None
 
 
+@pytest.mark.bench
 def test_cpu_check_runs_every_phase_and_writes_finite_json(tmp_path):
     out = tmp_path / "x.json"
     cmd = [sys.executable, str(SCRIPT), "--cpu-check", "--out", str(out), "--work-dir", str(tmp_path / "work")]

@@ -19,6 +19,8 @@ from omni_core.config import load_config
 from omni_core.rewards.builtin import jpeg_compressibility
 from omni_core.sde import sde_step_from_sigmas
 
+pytestmark = pytest.mark.bench  # a benchmark script: `make test-bench` (CI runs it)
+
 REFERENCE_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_loop.py"
 
 
