@@ -17,9 +17,11 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 from real_prefect import wait_gone
 from test_cli_runs import _descendants, _env, _latest, _step_records, _train, _wait_for
+from test_security import assert_listens_on_loopback_only
 
 from omni_core.checkpoint import read_state
 
@@ -101,6 +103,8 @@ def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ck
     names = " ".join(" ".join(p.cmdline()) for p in spawned)
     assert "raylet" in names and "RolloutWorker" in names  # what must go away (the rollout worker samples ahead)
     assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in spawned) == own_api
+    if own_api:  # the same run shows that the cluster a run starts listens on loopback only (test_security)
+        assert_listens_on_loopback_only([psutil.Process(proc.pid), *spawned])
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole foreground process group
     else:
