@@ -62,13 +62,15 @@ def wait_for_epoch(future: Any, names: WorkerNames, timeout_s: float) -> Any:
             if ready:
                 break
     except BaseException as exc:
-        with stop_signals_held():
-            stop_epoch(ref, names, f"{type(exc).__name__} in the flow process")
         # A signal handled inside Ray's C call surfaces as a SystemError caused by the signal's own exception (Prefect's
-        # TerminationSignal, KeyboardInterrupt): raise that, so the engine sees a cancellation, not a failure.
+        # TerminationSignal, KeyboardInterrupt): that is the stop, and it is what is raised, so the engine sees a
+        # cancellation, not a failure.
         cause = exc.__cause__
-        if isinstance(exc, SystemError) and isinstance(cause, BaseException) and not isinstance(cause, Exception):
-            raise cause from None
+        stop = cause if isinstance(exc, SystemError) and isinstance(cause, BaseException) and not isinstance(cause, Exception) else exc
+        with stop_signals_held():
+            stop_epoch(ref, names, f"{type(stop).__name__} in the flow process")
+        if stop is not exc:
+            raise stop from None
         raise
     return future.result(timeout=max(0.0, deadline - time.monotonic()))
 

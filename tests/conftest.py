@@ -181,6 +181,26 @@ def flow_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp
 
 
 @pytest.fixture(scope="session")
+def separate_workers_run(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
+    """One run of the lean config with two rollout workers of their own (`rollout.agent.num_workers=2`: no hybrid
+    engine), EMA on and validation after every step, whose rollout worker 0 is SIGKILLed once step 1 is saved:
+    (final state, checkpoint dir, [killed pid]). One run serves the rollout-worker, EMA and worker-kill tests
+    (test_rollout_workers, test_ema_kl_cfg, test_process_faults): none of them may change the trained weights, which
+    must end as `flow_reference`'s."""
+    from flow_utils import run_with_kill
+
+    ckpt = tmp_path_factory.mktemp("separate_workers") / "ckpt"
+    overrides = [
+        *flow_overrides,
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "actor_rollout_ref.actor.ema.enable=true",
+        "trainer.test_freq=1",
+    ]
+    state, killed = run_with_kill(overrides, ckpt, "separate", "rollout-worker-0", "RolloutWorker")
+    return state, ckpt, killed
+
+
+@pytest.fixture(scope="session")
 def two_rank_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
     """The uninterrupted in-process run of the lean config on two ranks: (final state, checkpoint dir)."""
     from flow_utils import TWO_RANKS

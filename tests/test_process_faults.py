@@ -220,24 +220,24 @@ def test_a_real_out_of_memory_update_says_which_settings_to_change(tiny_sd3_dir,
 
 
 # ---------------------------------------------------------------------------------------- item 9
-def test_a_killed_rollout_worker_is_replaced_and_the_weights_match(flow_reference, flow_overrides, tmp_path):
-    """SIGKILL the real RolloutWorker's process (separate workers: `hybrid_engine=false`) after the first checkpoint:
-    Ray restarts it (max_restarts), it gets the current weights again (or the epoch is retried from its checkpoint
-    if the kill hit a call), and the final weights equal the fault-free (hybrid-engine) run's bit for bit;
+def test_a_killed_rollout_worker_is_replaced_and_the_weights_match(flow_reference, separate_workers_run):
+    """SIGKILL a real RolloutWorker's process (the session's shared run with two separate workers) after the first
+    checkpoint: Ray restarts it (max_restarts), it gets the current weights again (or the epoch is retried from its
+    checkpoint if the kill hit a call), and the final weights equal the fault-free (hybrid-engine) run's bit for bit;
     metrics.jsonl keeps one record per step."""
-    from flow_utils import assert_same_weights, final_weights, run_with_kill
+    from flow_utils import assert_same_weights, final_weights
 
     from omni_core.tracking import read_jsonl
 
-    ckpt = tmp_path / "ckpt"
-    separate = [*flow_overrides, "actor_rollout_ref.hybrid_engine=false"]  # a RolloutWorker process of its own
-    state, killed = run_with_kill(separate, ckpt, "rwkill", "rwkill", "RolloutWorker")
+    state, ckpt, killed = separate_workers_run
     assert killed, "no rollout worker was found to kill"
     assert state.is_completed(), state.message
     result = state.result()
     assert result.global_step == 2
     (worker,) = _actors_named(f"omniflow-{result.run_id}-rollout-worker-0")
     assert worker.num_restarts == 1, worker
+    (other,) = _actors_named(f"omniflow-{result.run_id}-rollout-worker-1")
+    assert other.num_restarts == 0, other
     assert_same_weights(final_weights(ckpt), final_weights(flow_reference[2]))
     steps = [r["step"] for r in read_jsonl(os.path.join(result.log_dir, "metrics.jsonl")) if "critic/rewards/mean" in r]
     assert steps == [1, 2]

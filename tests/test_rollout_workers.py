@@ -138,20 +138,18 @@ def test_one_and_two_rollout_workers_write_identical_trajectories(ray_cluster, t
 
 
 def test_a_run_with_two_rollout_workers_ends_with_the_weights_of_the_hybrid_engine(
-    flow_reference, flow_overrides, ray_cluster, tmp_path
+    flow_reference, flow_overrides, separate_workers_run, ray_cluster
 ):
-    """The lean 2-epoch run again with two rollout workers (processes of their own): bit-identical final weights to
+    """The lean 2-epoch run again with two rollout workers (processes of their own; the shared run also has EMA
+    validation and a killed worker, none of which may change training): bit-identical final weights to
     `flow_reference`, whose single rollout worker is its training actor (the hybrid engine, the default)."""
     from flow_utils import assert_same_weights, final_weights
-    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
     from ray.util.state import list_actors
 
     from omni_core.config import load_config
 
     assert load_config(overrides=flow_overrides).actor_rollout_ref.rollout.agent.num_workers == 1
-    ckpt = tmp_path / "ckpt"
-    overrides = [*flow_overrides, "actor_rollout_ref.rollout.agent.num_workers=2", f"trainer.default_local_dir={ckpt}"]
-    state = main_diffusion_v1(overrides=overrides, return_state=True)
+    state, ckpt, _ = separate_workers_run
     assert state.is_completed(), state.message
     result = state.result()
     assert result.global_step == flow_reference[1].global_step == 2
