@@ -23,10 +23,12 @@ run: install
 	@[ -f $(MODEL)/model_index.json ] || $(PYTHON) -m omniflow.flows.cli make-tiny-model $(MODEL)
 	$(PYTHON) -m omniflow.flows.cli train actor_rollout_ref.model.path=$(MODEL) $(RUN_OVERRIDES)
 
-# The suite, without the tests of benchmark scripts (marker `bench`, run by test-bench; CI runs both). pytest's
-# exit 5 (nothing collected) fails either target.
+# The suite, without the tests of benchmark scripts (marker `bench`, run by test-bench; CI runs both), in two
+# pytest-xdist processes: a flow-heavy test leaves about a third of 2 cores idle (waiting on servers and processes),
+# which the other process uses. A module's tests share one process (tests/conftest.py). pytest's exit 5 (nothing
+# collected) fails either target.
 test: install
-	$(PYTHON) -m pytest -m "not bench"
+	$(PYTHON) -m pytest -m "not bench" -n 2 --dist loadgroup
 
 test-bench: install
 	$(PYTHON) -m pytest -m bench

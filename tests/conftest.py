@@ -39,6 +39,12 @@ for _name, _sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache")
     os.environ[_name] = os.path.join(PREFECT_TEST_HOME, "wandb", _sub)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # mlflow reads DO_NOT_TRACK only as "true", not "1"
+# Prefect's console log handlers write to the process's stderr (fd 2, which pytest captures), never to the sys.stderr of
+# the moment they were configured: configured while a test's capsys stream was sys.stderr, they kept that stream after
+# pytest closed it, and every later Prefect log line of the process failed ("I/O operation on closed file"), taking its
+# flow runs down (seen under pytest-xdist, where such a test ran first in its process).
+for _handler in ("CONSOLE", "DEBUG"):
+    os.environ[f"PREFECT_LOGGING_HANDLERS_{_handler}_STREAM"] = "ext://sys.__stderr__"
 
 
 # ----------------------------------------------------------------------------- Ray + TransferQueue
@@ -47,6 +53,17 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # mlflow reads DO_NOT_TRACK onl
 import pytest  # noqa: E402
 
 RAY_TEST_NAMESPACE = "omniflow-tests"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """`make test` runs the suite in two pytest-xdist processes (`--dist loadgroup`), each with its own Ray cluster and
+    Prefect API: a module's tests stay in one process (its module fixtures are built once), and modules that share a
+    session run of their own (`xdist_group` in the module: `mid_epoch_reference`, `separate_workers_run`) stay
+    together so that run is made once."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,8 @@ from omni_core.config import load_config, to_yaml
 from omni_core.export import export_checkpoint
 from omni_core.validation.paths import checkpoint_folder_problems, resume_problems
 
+pytestmark = pytest.mark.xdist_group("mid_epoch_reference")  # shares that session run with other modules (conftest)
+
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
 

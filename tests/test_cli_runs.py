@@ -23,7 +23,8 @@ import psutil
 import pytest
 from flow_utils import assert_same_weights, final_weights
 
-pytestmark = pytest.mark.timeout(900)
+# The group: shares that session run with other modules (conftest).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("mid_epoch_reference")]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -21,6 +21,8 @@ from omni_core.sde import sde_step_from_sigmas
 from omni_core.validation import config_problems
 from omni_core.workers.training_actor import TrainingActor
 
+pytestmark = pytest.mark.xdist_group("separate_workers_run")  # shares that session run with other modules (conftest)
+
 SMALL = [
     "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.rollout.pipeline.height=32",

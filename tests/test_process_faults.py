@@ -14,7 +14,8 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.timeout(600)
+# The group: shares that session run with other modules (conftest).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("separate_workers_run")]
 
 
 def _actors_named(name: str) -> list:

@@ -16,7 +16,8 @@ import uuid
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(900)
+# The group: shares that session run with other modules (conftest).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("separate_workers_run")]
 
 PROMPTS = ["a red circle", "a blue square", "a green dot"]
 # 3 prompts x 2 samples: one worker samples 6 rows, two workers 2 + 4 rows. On the 2-core CPU this was
