@@ -8,6 +8,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+# One step of the training actor used directly (no flow): 2 prompts x 4 samples, one mini-batch, 32 px, 4 denoising steps
+# whose SDE window starts in 0..3.
+SMALL_ACTOR_STEP = [
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.pipeline.height=32",
+    "actor_rollout_ref.rollout.pipeline.width=32",
+    "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
+    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+]
 # The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
 # ... with epochs of two steps (one prompt x 4 samples each, 2 per rank) and a checkpoint after every step: steps 1 and 3

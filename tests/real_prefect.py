@@ -108,3 +108,39 @@ def wait_final(url: str, flow_run_id: Any, timeout_s: float, log: Path | None = 
 
 def deployment(client: Any, flow_name: str, name: str) -> Any:
     return client.read_deployment_by_name(f"{flow_name}/{name}")
+
+
+def run_log_messages(flow_run_id: Any, until: str, timeout_s: float = 60) -> list[str]:
+    """Every log message of the flow run and its subflows, all pages, in the current Prefect API (the session's
+    harness unless a test points elsewhere), once one holds `until` or `timeout_s` has passed: a Ray worker's task
+    sends its log lines to the API in batches, a moment after the run may have ended."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
+
+    async def read() -> list[str]:
+        async with get_client() as client:
+            ids, todo = [], [flow_run_id]
+            while todo:
+                current = todo.pop()
+                ids.append(current)
+                children = await client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[current]))
+                )
+                todo.extend(r.id for r in children)
+            messages: list[str] = []
+            while True:
+                page = await client.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200, offset=len(messages)
+                )
+                messages += [log.message for log in page]
+                if len(page) < 200:
+                    return messages
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        messages = asyncio.run(read())
+        if any(until in m for m in messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(1.0)

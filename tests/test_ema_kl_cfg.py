@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from flow_utils import SMALL_ACTOR_STEP
 from safetensors.torch import load_file
 
 from omni_core.algorithms.ema import WeightsEMA, ema_decay
@@ -23,15 +24,7 @@ from omni_core.workers.training_actor import TrainingActor
 
 pytestmark = pytest.mark.xdist_group("separate_workers_run")  # shares that session run with other modules (conftest)
 
-SMALL = [
-    "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.rollout.pipeline.height=32",
-    "actor_rollout_ref.rollout.pipeline.width=32",
-    "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
-    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-]
+SMALL = SMALL_ACTOR_STEP
 
 
 # ----------------------------------------------------------------------------------------------- EMA math

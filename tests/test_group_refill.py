@@ -8,15 +8,14 @@ the reward's own record; the refusal when the dropped groups break the PPO mini-
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from real_prefect import run_log_messages
 
 from omni_core.config import ConfigError, load_config
 from omni_core.validation import config_problems, prepare_run_config
@@ -139,7 +138,7 @@ def test_a_prompt_failing_every_round_is_dropped_and_the_step_trains_the_groups_
     assert step["critic/rewards/mean"] == pytest.approx(sum(_scores(calls, "B")) / 4, rel=1e-5)
     assert "actor/pg_loss" in step  # it trained
     # The warning names the prompt, how often it failed and the reward's reason.
-    messages = _wait_for_log(state.state_details.flow_run_id, "is dropped from this step")
+    messages = run_log_messages(state.state_details.flow_run_id, "is dropped from this step")
     dropped = [m for m in messages if "is dropped from this step" in m]
     assert dropped, messages[-20:]
     assert "step 1: prompt 000001-" in dropped[0] and "('a red circle') failed 3 times" in dropped[0], dropped[0]
@@ -217,31 +216,3 @@ def test_refill_keys_that_would_do_nothing_or_conflict_are_refused_naming_both_k
     assert "drop_incomplete_groups=true no failed sample is trained" in found["reward.max_failure_ratio"]
     found = problems(f"{_ROUNDS}=5")  # rounds without the refill
     assert set(found) == {_ROUNDS} and "only trainer.v1.sampler.drop_incomplete_groups=true" in found[_ROUNDS]
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def _wait_for_log(flow_run_id, fragment: str, timeout_s: float = 60) -> list[str]:
-    """The log messages of the run and its subflows once one holds `fragment` (a Ray worker's task sends its log
-    lines to the API in batches, a moment after the run may have ended)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
-
-    async def read() -> list[str]:
-        async with get_client() as client:
-            ids, todo = [], [flow_run_id]
-            while todo:
-                current = todo.pop()
-                ids.append(current)
-                children = await client.read_flow_runs(
-                    flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[current]))
-                )
-                todo.extend(r.id for r in children)
-            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
-        return [log.message for log in logs]
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        messages = asyncio.run(read())
-        if any(fragment in m for m in messages) or time.monotonic() > deadline:
-            return messages
-        time.sleep(1.0)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from flow_utils import SMALL_ACTOR_STEP
 
 from omni_core.config import load_config
 from omni_core.rewards.manager import RewardManager
@@ -26,20 +27,11 @@ from omni_core.trainers.base import step_advantages
 from omni_core.workers.training_actor import TrainingActor
 
 PROMPTS = ["a red circle", "a blue square"]
-N = 4  # samples per prompt
+N = 4  # samples per prompt (SMALL_ACTOR_STEP's rollout.n)
 
 # One step of 2 prompts x 4 samples = one mini-batch (one optimizer step), 32 px, 4 denoising steps of which the SDE
 # window takes 2 (Flow-GRPO-Fast's default window, starting in 0..3).
-SMALL_STEP = [
-    f"actor_rollout_ref.rollout.n={N}",
-    "actor_rollout_ref.rollout.pipeline.height=32",
-    "actor_rollout_ref.rollout.pipeline.width=32",
-    "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
-    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
-]
+SMALL_STEP = [*SMALL_ACTOR_STEP, "actor_rollout_ref.actor.optim.lr_warmup_steps=-1"]
 
 
 def test_a_policy_update_on_real_rewards_raises_the_best_sample_against_the_worst(tiny_sd3_dir, one_torch_thread):

@@ -25,6 +25,7 @@ import pytest
 import torch
 import uvicorn
 from PIL import Image
+from real_prefect import run_log_messages
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -479,7 +480,7 @@ def test_a_training_run_scores_through_a_served_reward_and_its_token_stays_out_o
 
     # The Prefect logs of the run and its subflows, once the last epoch's line is in (a Ray worker's task sends its
     # lines in batches, a moment after the run may have ended).
-    messages = _run_log_messages(state.state_details.flow_run_id, until="checkpoint saved")
+    messages = run_log_messages(state.state_details.flow_run_id, until="checkpoint saved")
     assert any("checkpoint saved" in m for m in messages), messages[-20:]
     assert [m for m in messages if RUN_SECRET in m] == []
     # Every file of the checkpoint folder, as bytes: config.yaml names the variable, never its value.
@@ -492,40 +493,6 @@ def test_a_training_run_scores_through_a_served_reward_and_its_token_stays_out_o
     params = _mlflow_params(ckpt)
     assert any(f"env:{RUN_TOKEN_VAR}" in value for value in params.values()), params
     assert [key for key, value in params.items() if RUN_SECRET in value] == []
-
-
-def _run_log_messages(flow_run_id, until: str, timeout_s: float = 60) -> list[str]:
-    """Every log message of the flow run and its subflows (all pages), once one holds `until` or `timeout_s` passed."""
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
-
-    async def read() -> list[str]:
-        async with get_client() as client:
-            ids, todo = [], [flow_run_id]
-            while todo:
-                current = todo.pop()
-                ids.append(current)
-                children = await client.read_flow_runs(
-                    flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[current]))
-                )
-                todo.extend(r.id for r in children)
-            messages: list[str] = []
-            while True:
-                page = await client.read_logs(
-                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200, offset=len(messages)
-                )
-                messages += [log.message for log in page]
-                if len(page) < 200:
-                    return messages
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        messages = asyncio.run(read())
-        if any(until in m for m in messages) or time.monotonic() > deadline:
-            return messages
-        time.sleep(1.0)
 
 
 def _mlflow_params(ckpt: Path) -> dict[str, str]:

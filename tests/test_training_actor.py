@@ -6,21 +6,14 @@ import subprocess
 import sys
 
 import torch
+from flow_utils import SMALL_ACTOR_STEP
 
 from omni_core.config import load_config
 from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.workers.training_actor import TrainingActor
 
-SMALL = [
-    "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.rollout.pipeline.height=32",
-    "actor_rollout_ref.rollout.pipeline.width=32",
-    "actor_rollout_ref.rollout.pipeline.num_inference_steps=4",
-    "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-]
+SMALL = SMALL_ACTOR_STEP
 
 
 def _rollout(actor: TrainingActor, step: int):
