@@ -201,7 +201,12 @@ def procedural_geneval(
             "checkpoint": train.final_checkpoint,
             "reward_curve": curve,
         },
-        "control_run": {"steps": control.steps, "seconds": control.seconds, "budget_seconds": round(seconds["rl"], 2)},
+        "control_run": {
+            "steps": control.steps,
+            "seconds": control.seconds,
+            "last_step_began": control.last_step_began,
+            "budget_seconds": round(seconds["rl"], 2),
+        },
     }
     markdown = report_markdown(result, {k: v["grid"] for k, v in evals.items()}, str(curve_png))
     report = run_dir / "report.md"

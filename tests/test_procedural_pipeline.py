@@ -98,8 +98,10 @@ def test_the_control_spends_the_rl_stage_wall_time_and_reports_it(short_run):
     _, result, _ = short_run
     control = result.control_run
     assert control["budget_seconds"] == result.stage_seconds["rl"] > 0
-    # It trains until the budget is spent and stops after that step (one step of batch 128 takes well under 10 s).
-    assert control["budget_seconds"] <= control["seconds"] <= control["budget_seconds"] + 10
+    # It trains until the budget is spent and stops after the step that spent it: its last step began inside the
+    # budget and the stage ended at or past it (both rounded to 0.01 s), however long a step takes on a busy machine.
+    assert control["last_step_began"] < control["budget_seconds"] + 0.01
+    assert control["seconds"] >= control["budget_seconds"] - 0.01
     assert control["steps"] >= 1
     saved = json.loads((Path(result.run_dir) / "control" / "pretrain.json").read_text())
     assert saved["budget_seconds"] == control["budget_seconds"] and saved["result"]["steps"] == control["steps"]

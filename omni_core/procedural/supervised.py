@@ -65,6 +65,7 @@ class SupervisedResult:
     seconds: float
     stopped: str
     history: list[dict] = field(default_factory=list)
+    last_step_began: float | None = None  # seconds into the stage when its last step started (the control's stop rule)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -237,9 +238,13 @@ def continue_supervised(
         trainer.load_state(torch.load(base_dir / STATE_FILE, weights_only=False))
     first_step = trainer.steps
     start = time.monotonic()
-    while time.monotonic() - start < budget_seconds:
+    last_step_began = None
+    while (elapsed := time.monotonic() - start) < budget_seconds:
+        last_step_began = elapsed
         trainer.step()
     seconds = round(time.monotonic() - start, 2)
-    result = SupervisedResult(str(out_dir), trainer.steps - first_step, seconds, "budget")
+    result = SupervisedResult(
+        str(out_dir), trainer.steps - first_step, seconds, "budget", last_step_began=round(last_step_began or 0.0, 2)
+    )
     trainer.save_model(base_dir, out_dir, {"result": result.to_json(), "budget_seconds": budget_seconds})
     return result
