@@ -13,8 +13,10 @@ more on 2 cores.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -90,6 +92,8 @@ def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ck
 
     before, entries = set((ckpt / "logs").iterdir()), {p.name for p in ckpt.iterdir()}
     proc = _train(overrides, env, log)
+    # Its processes are read while it goes, so that the signal is sent the moment its point is reached.
+    tree = _ProcessTree(proc.pid, check_listening=own_api)
     if point == "epoch_end":  # the next even step ends an epoch (2 steps each)
         target = resumed_at + 2 - resumed_at % 2
         _wait_for(lambda: _latest(ckpt) == str(target), proc, 600, log, poll_s=0.01)
@@ -99,16 +103,14 @@ def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ck
     else:
         writing = lambda: any(p.name.startswith(TMP_PREFIX) and p.name not in entries for p in ckpt.iterdir())  # noqa: E731
         _wait_for(writing, proc, 600, log, poll_s=0.005)  # a new temporary folder: this run's writer, not a leftover
-    spawned = [p for p in _descendants(proc.pid) if p.is_running()]
-    names = " ".join(" ".join(p.cmdline()) for p in spawned)
-    assert "raylet" in names and "RolloutWorker" in names  # what must go away (the rollout worker samples ahead)
-    assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in spawned) == own_api
-    if own_api:  # the same run shows that the cluster a run starts listens on loopback only (test_security)
-        assert_listens_on_loopback_only([psutil.Process(proc.pid), *spawned])
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole foreground process group
     else:
         proc.send_signal(sig)
+    spawned = tree.stop()
+    names = " ".join(cmdline for cmdline in spawned.values())
+    assert "raylet" in names and "RolloutWorker" in names  # what must go away (the rollout worker samples ahead)
+    assert any("prefect" in cmdline and " server" in cmdline for cmdline in spawned.values()) == own_api
     code = proc.wait(timeout=120)
     text = log.read_text()
     assert code == 130, text[-3000:]
@@ -116,7 +118,7 @@ def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ck
     for noise in ("Traceback", "Check failed", "StackTrace", "Error"):  # the console shows the stop, nothing else
         assert noise not in text, (point, text[-3000:])
     assert "Starting temporary server" not in text  # one API for the whole run, never an ephemeral one
-    wait_gone(spawned, timeout_s=60)
+    wait_gone(list(spawned), timeout_s=60)
     (run_logs,) = set((ckpt / "logs").iterdir()) - before
     assert _step_records(run_logs)[0] == resumed_at + 1  # it resumed: only the steps after the checkpoint
     kept = run_logs / "ray"  # Ray's own logs (the cluster this run started), kept with the run's metrics
@@ -126,3 +128,40 @@ def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ck
     verify_checkpoint(latest)  # intact: every file matches its manifest hash
     assert read_state(latest, "rollout_queue")["groups"] == 1  # the next step's group, sampled ahead and recorded
     return int(latest.name.removeprefix("global_step_"))
+
+
+class _ProcessTree:
+    """Every process a run has had (with its command line), read by a thread every 0.1 s from the run's start to
+    `stop()`: a scan of the tree after the stop point was reached took long enough on a busy machine for the run to
+    end first (it has a few 0.2 s steps left). With `check_listening`, the thread also checks, once the run's
+    cluster is up, that the processes the run started listen on loopback only (test_security's check, on this run);
+    `stop()` raises that check's error if it never passed."""
+
+    def __init__(self, pid: int, check_listening: bool) -> None:
+        self.pid, self.seen = pid, {}
+        self.listening: AssertionError | None = (
+            AssertionError("the run's cluster was not up before the stop") if check_listening else None
+        )
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.1):
+            for p in _descendants(self.pid):
+                if p not in self.seen:
+                    with contextlib.suppress(psutil.Error):
+                        self.seen[p] = " ".join(p.cmdline())
+            if self.listening is not None and "RolloutWorker" in " ".join(self.seen.values()):
+                try:
+                    assert_listens_on_loopback_only([psutil.Process(self.pid), *self.seen])
+                    self.listening = None
+                except AssertionError as error:  # e.g. a TransferQueue actor not listening yet: read again
+                    self.listening = error
+
+    def stop(self) -> dict[psutil.Process, str]:
+        self._done.set()
+        self._thread.join(timeout=60)
+        if self.listening is not None:
+            raise self.listening
+        return self.seen
