@@ -3,7 +3,7 @@ PYTHON ?= python3
 STAMP := .install-stamp
 MODEL ?= models/tiny-sd3
 
-.PHONY: install run test test-bench lint clean
+.PHONY: install run test test-light test-bench lint clean
 
 # torch: keep any installed build (CUDA users bring their own); otherwise the CPU build 2.13.0,
 # because an unpinned torch from PyPI pulls a multi-GB CUDA build.
@@ -29,6 +29,11 @@ run: install
 # collected) fails either target.
 test: install
 	$(PYTHON) -m pytest -m "not bench" -n 2 --dist loadgroup --no-loadscope-reorder
+
+# The tests that start no Ray cluster, Prefect server or subprocess (marker `light`, tests/conftest.py): a few
+# minutes alone, for a quick check while working.
+test-light: install
+	$(PYTHON) -m pytest -m "light and not bench"
 
 test-bench: install
 	$(PYTHON) -m pytest -m bench

@@ -73,6 +73,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     for index, item in enumerate(items):
         first.setdefault(group[id(item)], index)
     items.sort(key=lambda item: (-GROUP_SECONDS.get(group[id(item)], 0), first[group[id(item)]]))
+    for item in items:
+        heavy = {item.module.__name__, f"{item.module.__name__}::{getattr(item, 'originalname', item.name)}"} & HEAVY_MODULES
+        if not heavy and not set(getattr(item, "fixturenames", ())) & HEAVY_FIXTURES:
+            item.add_marker(pytest.mark.light)
 
 
 # Seconds each xdist group takes in `make test` on 2 cores (its tests' setup, call and teardown; measured from a
@@ -105,6 +109,67 @@ GROUP_SECONDS = {
     "test_reward_faults": 16,
     "test_library_use": 15,
 }
+
+
+# ----------------------------------------------------------------------------- light tests
+# `make test-light` (`-m light`): the tests that start no Ray cluster, Prefect server or subprocess, under 3 minutes
+# alone. A test is light unless it needs one of HEAVY_FIXTURES (directly or through another fixture) or it or its
+# module is in HEAVY_MODULES (`module` or `module::test`: tests that start a process themselves); `_LightGuard`
+# fails a light test that starts one anyway, so a test that grows heavy leaves the light set by its failure, not
+# by a reader's memory.
+HEAVY_FIXTURES = {"ray_cluster", "transfer_queue", "prefect_api", "chromium"}
+HEAVY_MODULES = {name for name in GROUP_SECONDS if name.startswith("test_")} | {
+    "test_cli_runs",
+    "test_checkpoint_faults",
+    "test_process_faults",
+    "test_cli",  # runs `omniflow` commands in a subprocess
+    "test_validation_groups",  # imports in a fresh interpreter, to see what validation pulls in
+    "test_cluster_examples",
+    "test_containers",
+    "test_checkpoint::test_runlock_refuses_live_holder_and_takes_over_after_it_dies",
+    "test_checkpoint::test_runlock_takes_over_lock_of_finished_pid",
+    "test_prompt_embeddings::test_the_cache_key_of_a_cached_run_needs_no_diffusers",
+    "test_training_actor::test_make_tiny_model_cli_writes_a_pipeline_diffusers_loads",
+}
+
+
+class _LightGuard:
+    """Process starts (audit events of subprocess, fork and spawn) seen while a light test's fixtures and body run."""
+
+    EVENTS = ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec")
+    active, ray_before = False, False
+    seen: list[str] = []
+
+    @classmethod
+    def audit(cls, event: str, args: tuple) -> None:
+        if cls.active and event in cls.EVENTS:
+            cls.seen.append(f"{event} {str(args[0])[:120] if args else ''}")
+
+
+sys.addaudithook(_LightGuard.audit)
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    light = item.get_closest_marker("light") is not None
+    _LightGuard.active, _LightGuard.seen, _LightGuard.ray_before = light, [], _ray_initialized()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    if _LightGuard.active:
+        _LightGuard.active = False
+        started = list(_LightGuard.seen) + (["ray.init"] if _ray_initialized() and not _LightGuard.ray_before else [])
+        if started:
+            pytest.fail(f"a light test started a process: {started}; add its module to HEAVY_MODULES in tests/conftest.py")
+    return result
 
 
 @pytest.fixture(scope="session")
