@@ -1,5 +1,5 @@
-"""Scripts of the run_deployment tests: a parent flow that imports only prefect (the README's example), and a reader
-of a run's result in a process where OmniFlow cannot be imported."""
+"""Scripts of the run_deployment tests: a parent flow that imports only prefect (the example of docs/deployments.md),
+and a reader of a run's result in a process where OmniFlow cannot be imported."""
 
 from __future__ import annotations
 

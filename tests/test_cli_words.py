@@ -1,4 +1,4 @@
-"""Every `omniflow <word>` that the README, the defaults' comments or a message of the code tells a user to type is
+"""Every `omniflow <word>` that the README, the docs, the defaults' comments or a message of the code tells a user to type is
 a subcommand of the real `omniflow` parser (`flows/cli.py: build_parser`).
 
 The rule for what counts as a command: `omniflow` written in lower case as a word of its own (not after a letter,
@@ -8,8 +8,9 @@ command. It leaves out, without a list of exceptions, what is not a command: the
 `omniflow-alerts`), module paths (`omniflow.flows`) and image names (`REGISTRY/omniflow:cuda`). Where the command
 has subcommands of its own (`omniflow config show`), the next word must be one of them.
 
-Sources: README.md (all of it), the comment lines of omni_core/config/defaults.yaml, and every string literal (f-string
-parts included) of the Python files under omni_core/, flows/, tasks/ and deployments/. Light: reads files only.
+Sources: README.md and docs/*.md (all of them), the comment lines of omni_core/config/defaults.yaml, and every string
+literal (f-string parts included) of the Python files under omni_core/, flows/, tasks/ and deployments/. Light: reads
+files only.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def _texts() -> list[tuple[str, str]]:
-    """(where, text) for every place a user reads: the README, the defaults' comments, the code's string literals."""
-    texts = [("README.md", (ROOT / "README.md").read_text())]
+    """(where, text) for every place a user reads: the README and the docs, the defaults' comments, the code's string
+    literals."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = [(str(path.relative_to(ROOT)), path.read_text()) for path in docs]
     defaults = ROOT / "omni_core" / "config" / "defaults.yaml"
     for n, line in enumerate(defaults.read_text().splitlines(), 1):
         if line.lstrip().startswith("#"):
@@ -53,7 +56,7 @@ def _mentions() -> list[tuple[str, str, str | None]]:
 def test_every_omniflow_command_named_to_users_is_a_subcommand_of_the_parser():
     commands = _subcommands(build_parser())
     mentions = _mentions()
-    # The scan sees the commands the issue named (README and defaults.yaml) and the code's messages.
+    # The scan sees the commands the issue named (README, docs and defaults.yaml) and the code's messages.
     named = {command for _, command, _ in mentions}
     assert {"export", "evaluate", "train", "validate", "serve"} <= named, sorted(named)
     assert any(where.startswith("omni_core/checkpoint/compat.py") and c == "export" for where, c, _ in mentions)

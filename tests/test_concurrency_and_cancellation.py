@@ -142,7 +142,7 @@ def scenario(tmp_path_factory, flow_overrides):
             # B is triggered once A holds the deployment's slot (Running), so that A is the first.
             _poll("A running", lambda: client.read_flow_run(s.runs["A"].id).state.is_running(), RUN_TIMEOUT_S, s.log)
             # B comes from a parent flow in another process that imports only prefect and calls run_deployment (the
-            # README's example); it reads B's TrainResult when B ends (test_a_parent_flow_reads_...).
+            # example of docs/deployments.md); it reads B's TrainResult when B ends (test_a_parent_flow_reads_...).
             (root / "parent.py").write_text(PARENT)
             s.parent = subprocess.Popen(
                 [sys.executable, str(root / "parent.py"), json.dumps(parameters), str(3 * RUN_TIMEOUT_S)],

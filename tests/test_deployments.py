@@ -88,7 +88,7 @@ def stack(tmp_path_factory, flow_overrides):
         served_env, pooled_env = server_env(served.url, served.home), server_env(pooled.url, pooled.home)
         s.serve = start_process([sys.executable, "-m", "omniflow.deployments.serve"], served_env, root, root / "serve.log")
 
-        # The README's commands for work pools, from a project folder (the worker's working directory).
+        # The commands for work pools of docs/deployments.md, from a project folder (the worker's working directory).
         pool = prefect_cli(["work-pool", "create", "omniflow-process", "--type", "process"], pooled_env, root)
         assert pool.returncode == 0, pool.stdout + pool.stderr
         s.deploy_output = subprocess.run(

@@ -91,7 +91,7 @@ def test_a_run_joined_by_address_trains_with_its_actors_on_both_nodes_and_a_stop
         "actor_rollout_ref.hybrid_engine=false",  # rollout workers of their own, placed on their ranks' nodes
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=2",  # one per node (auto would size from this box)
     ]
-    # The session's Prefect API, as a cluster run uses one server that every node reaches (README).
+    # The session's Prefect API, as a cluster run uses one server that every node reaches (docs/scale-out.md).
     env = {**cluster.client_env, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": prefect_api}
     log = tmp_path / "train.log"
     run = subprocess.Popen(

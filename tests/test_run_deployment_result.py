@@ -1,7 +1,7 @@
 """The flows' results are persisted as JSON that comes back as their pydantic models.
 
 The end-to-end check runs in tests/test_concurrency_and_cancellation.py (sharing its server and served deployment):
-a parent flow in another process, whose script imports only prefect (as the README's example does), triggers run B
+a parent flow in another process, whose script imports only prefect (as the example of docs/deployments.md does), triggers run B
 with `run_deployment(...)`; `state.result()` gives the `TrainResult` the served run persisted as JSON, read from the
 absolute path the run wrote (the parent has its own PREFECT_HOME); a process where OmniFlow cannot be imported (a
 machine without it) gets the same fields as a plain dict.

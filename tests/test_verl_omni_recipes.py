@@ -6,7 +6,7 @@ its source and commit). The test points the four local paths (prompt files, mode
 files that exist here, runs the rest through the code path of `omniflow validate`, and asserts that
 exactly the documented keys are refused, each with a reason, all in one error. A key OmniFlow can do
 as it says is accepted (e.g. `data.truncation=error`, `actor.fsdp_config.model_dtype=bfloat16` under
-LoRA, `fsdp_config.param_offload=False`); the README section "verl-omni recipes: keys OmniFlow refuses"
+LoRA, `fsdp_config.param_offload=False`); the section "verl-omni recipes: keys OmniFlow refuses" of docs/configuration.md
 gives each refusal in one line.
 
 To regenerate a file from a verl-omni checkout: replace `python3 -m verl_omni.trainer.main_diffusion_v1`
