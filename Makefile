@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # The main job: build the tiny SD3-family model if absent, then fine-tune it with Flow-GRPO
 # (jpeg_compressibility reward) as the Prefect flow main_diffusion_v1 on a local Ray cluster.
-# Every SDE step but the last is trained (window null): learning a newcomer can see (README "Set-up");
+# Every SDE step but the last is trained (window null): learning a newcomer can see (docs/running.md, "The main job");
 # the library defaults keep Flow-GRPO-Fast's window of 2 for speed.
 RUN_OVERRIDES ?= actor_rollout_ref.rollout.algo.sde_window_size=null actor_rollout_ref.rollout.algo.sde_window_range=null
 run: install

@@ -57,7 +57,7 @@ from omni_core.workers.training_actor import TrainingActor  # noqa: E402
 
 SCHEMA_VERSION = 2  # 2: rollout_gflops, plain_vs_reference, targets
 
-# The fixed workload (the "fair benchmark" of reference/diffusion-rl.md §6.4 with an SDE window of 2):
+# The fixed workload (the equal-work comparison of docs/benchmarks.md, with an SDE window of 2):
 # the project's defaults (omni_core/config/defaults.yaml: 2 prompts x 8 samples, 64 px, 10 steps,
 # window 2, fp32, full fine-tuning, lr 1e-3, one optimizer step per update, KL off) on the tiny SD3
 # model, run through the same components the flow uses (TrainingActor, sampler, reward manager).

@@ -13,7 +13,7 @@ Two kinds:
 
 Entrypoints are module paths (`omniflow.flows.main_diffusion_v1.main_diffusion_v1`): any machine or image
 with `omniflow` installed runs them, with no flow code to download. Runs of these deployments import reward
-files only from OmniFlow's examples/rewards and the folders in OMNIFLOW_ALLOWED_REWARD_DIRS (README "Security").
+files only from OmniFlow's examples/rewards and the folders in OMNIFLOW_ALLOWED_REWARD_DIRS (docs/security.md).
 Parameters are typed (pydantic): the Prefect UI renders them as a form with defaults, descriptions and limits,
 and rejects values that break the schema before a run is created.
 """
@@ -33,8 +33,8 @@ VERSION = "0.1.0"
 
 def one_run_at_a_time(collision: str = "ENQUEUE") -> Any:
     """A deployment's `concurrency_limit`: one run at a time; a run triggered meanwhile waits in
-    AwaitingConcurrencySlot (`ENQUEUE`) or is cancelled (`CANCEL_NEW`). Why each deployment has which: README
-    "Concurrency and cancellation"."""
+    AwaitingConcurrencySlot (`ENQUEUE`) or is cancelled (`CANCEL_NEW`). Why each deployment has which: docs/deployments.md,
+    "Concurrency, cancellation and library use"."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
     return ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy(collision))

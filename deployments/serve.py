@@ -12,7 +12,7 @@ restart. Without `PREFECT_API_URL` it starts the embedded local Prefect API firs
 does) and keeps it for as long as it serves.
 
 Served runs import reward files only from OmniFlow's `examples/rewards` and the folders named by
-`--allow-reward-dir` / `OMNIFLOW_ALLOWED_REWARD_DIRS` (a reward file is code; see README "Security").
+`--allow-reward-dir` / `OMNIFLOW_ALLOWED_REWARD_DIRS` (a reward file is code; see docs/security.md).
 """
 
 from __future__ import annotations

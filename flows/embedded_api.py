@@ -1,7 +1,7 @@
 """The embedded Prefect API of a CLI run: one local server (SQLite, 127.0.0.1) for the whole run.
 
 Prefect's ephemeral mode starts a temporary server in every process that needs one, and every Ray
-worker would start its own (DESIGN.md section 7). So when no `PREFECT_API_URL` is set, the run starts
+worker would start its own (docs/design.md section 7). So when no `PREFECT_API_URL` is set, the run starts
 `prefect server start` on a free loopback port with a persistent `PREFECT_HOME` in the output folder,
 points this process (and through it every Ray worker) at it, and stops it at the end. A user's
 `PREFECT_API_URL` wins. Call `embedded_prefect_api` before importing prefect. `EmbeddedApi.watch` tells

@@ -1,7 +1,7 @@
 """Calling OmniFlow's flows from Python (library use) with no Prefect API configured.
 
 Prefect's ephemeral mode (no `PREFECT_API_URL`: a temporary server in each process that needs an API) would start
-one in the caller and another in every Ray worker of the run (DESIGN.md section 7). So OmniFlow's entry flows
+one in the caller and another in every Ray worker of the run (docs/design.md section 7). So OmniFlow's entry flows
 (`main_diffusion_v1`, `diffusion_rl_pipeline`) are `EmbeddedApiFlow`s: a top-level call from plain Python with no
 API configured first starts the embedded local API (`embedded_api.py`, as `omniflow train` does), points this
 process and the run's Ray workers at it (with ephemeral mode off, so nothing can fall back to it), and stops it

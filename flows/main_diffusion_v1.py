@@ -160,7 +160,7 @@ def fit(
 
 
 # The result is persisted as JSON (a TrainResult, never a pickle), so `run_deployment(...).state.result()` reads it
-# from another process: see README "Deployments".
+# from another process: see docs/deployments.md, "Results".
 # on_failure / on_crashed: the `omniflow.run.failed` event (flows/events.py). on_cancellation / on_crashed: what the run
 # left in this process's Ray is stopped (flows/cancellation.py). Called from plain Python with no Prefect API, it
 # starts the embedded one, never Prefect's ephemeral mode (flows/library_use.py).

@@ -44,7 +44,7 @@ from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.validation import prepare_run_config
 
 MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors
-EVAL_TIMEOUT_S = 6 * 3600.0  # every wait is bounded (DESIGN.md section 7)
+EVAL_TIMEOUT_S = 6 * 3600.0  # every wait is bounded (docs/design.md section 7)
 
 
 @dataclass
@@ -143,7 +143,7 @@ def evaluate_policy(
 
 
 def _evaluate_in_worker(config: OmniFlowConfig, records: list[PromptRecord], checkpoint, seed, samples_per_prompt, threads):
-    torch.set_num_threads(threads)  # Ray sets one thread per reserved CPU (DESIGN.md section 7)
+    torch.set_num_threads(threads)  # Ray sets one thread per reserved CPU (docs/design.md section 7)
     return evaluate_policy(config, records, checkpoint, seed, samples_per_prompt)
 
 

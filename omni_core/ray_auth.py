@@ -47,5 +47,5 @@ def token_auth_warning(gcs_address: str) -> str:
     return (
         f"Ray token authentication is OFF on the joined cluster {gcs_address}: anyone who can reach its ports can "
         "run code on it, and TransferQueue's sockets there accept pickled data. Start its nodes with "
-        "RAY_AUTH_MODE=token (README, Security)."
+        "RAY_AUTH_MODE=token (docs/security.md)."
     )

@@ -6,7 +6,7 @@ CPUs and check the cluster against the run's resource budget (`connect_run_clust
 cluster, only `runtime_env` when joining one (validation refuses the cluster-shaping keys there); the
 workers' `runtime_env.env_vars` merge the user's with the ones OmniFlow passes, the user's winning.
 
-Ray leaves a task that asks for absent resources pending forever (DESIGN.md section 7), so the
+Ray leaves a task that asks for absent resources pending forever (docs/design.md section 7), so the
 resource check runs before anything is submitted.
 """
 

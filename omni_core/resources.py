@@ -3,7 +3,7 @@
 `validate_config` compares this budget with what a local cluster will declare
 (`ray_kwargs.ray_init.num_cpus`), and `check_cluster_resources` compares it with what the running
 cluster has, before anything is submitted: Ray leaves a reservation that cannot be met pending
-forever (DESIGN.md section 7). The actors and tasks that make up the budget take their reservations
+forever (docs/design.md section 7). The actors and tasks that make up the budget take their reservations
 from the constants here, so the budget cannot drift from what is asked for.
 
 Light on purpose (no torch, no Ray): `omniflow validate` imports it.

@@ -27,7 +27,7 @@ import ray
 
 from omni_core.records import WorkerNames
 
-# Every wait is bounded (DESIGN.md section 7); the control actor answers in milliseconds.
+# Every wait is bounded (docs/design.md section 7); the control actor answers in milliseconds.
 CONTROL_CALL_TIMEOUT_S = 30.0
 
 

@@ -2,7 +2,7 @@
 
 Follows flow_grpo's ``sde_step_with_logprob`` (yifan123/flow_grpo,
 ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``; arXiv 2505.05470 §ODE-to-SDE) -- reimplemented,
-not copied. Notation (reference/diffusion-rl.md §1.2): ``sigma`` is the current noise level (1 = pure
+not copied. Notation: ``sigma`` is the current noise level (1 = pure
 noise), ``sigma_next`` the next one, ``dt = sigma_next - sigma < 0``, ``v`` the predicted velocity,
 ``a = noise_level``.
 

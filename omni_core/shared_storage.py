@@ -1,5 +1,5 @@
 """Every node of a multi-node Ray cluster must see the run's checkpoint folder and the files it loads
-(DESIGN.md section 2): `check_shared_storage` proves it at start, before anything of the run is submitted.
+(docs/design.md section 2): `check_shared_storage` proves it at start, before anything of the run is submitted.
 
 The checkpoint folder is `trainer.checkpoint_dir` as each process resolves it (`~` to that process's home, a
 relative path against its working directory), which is how the run's own tasks and actors resolve it. So

@@ -2,7 +2,7 @@
 
 `resources.resource_plan` decides the bundles and slots (light, no Ray); this module makes them real:
 `create_pool` reserves the placement group (named after the run, PACK, one bundle per training rank)
-and waits for it with a bound (a bundle that no node can hold would otherwise wait forever, DESIGN.md
+and waits for it with a bound (a bundle that no node can hold would otherwise wait forever, docs/design.md
 section 7), `actor_options` gives the `.options(...)` of one actor in its bundle, and `remove_pool`
 releases it when the run closes.
 """

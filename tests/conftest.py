@@ -48,7 +48,7 @@ for _handler in ("CONSOLE", "DEBUG"):
 
 
 # ----------------------------------------------------------------------------- Ray + TransferQueue
-# One local Ray cluster per test session (DESIGN.md section 7): 16 logical CPUs on 2 cores, because
+# One local Ray cluster per test session (docs/design.md section 7): 16 logical CPUs on 2 cores, because
 # TransferQueue's controller and storage units, the training actor and each rollout worker reserve one.
 import pytest  # noqa: E402
 
@@ -206,7 +206,7 @@ def transfer_queue(ray_cluster):
 
 # ----------------------------------------------------------------------------- tiny diffusers models
 # Built once per session with save_pretrained and loaded back by the tests through load_pipeline /
-# FlowPolicy, the production path (STYLE.md 12). ~0.5 s each on 2 cores.
+# FlowPolicy, the production path (tiny real models, loaded the production way). ~0.5 s each on 2 cores.
 @pytest.fixture(scope="session")
 def tiny_sd3_dir(tmp_path_factory):
     from omni_core.models.tiny import build_tiny_pipeline

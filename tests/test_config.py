@@ -93,7 +93,7 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     "ray_kwargs.ray_init.num_cpus": (
         16,
         "Logical CPUs of a local cluster (unused when joining by address); must exceed what TransferQueue, the training "
-        "actor and the rollout workers reserve. verl-omni: null; OmniFlow: 16 (more than the cores, see DESIGN.md section 7).",
+        "actor and the rollout workers reserve. verl-omni: null; OmniFlow: 16 (more than the cores, see docs/design.md section 7).",
     ),
     # verl's spelling fp32 in the YAML; the config keeps the torch name.
     "actor_rollout_ref.actor.fsdp_config.dtype": (

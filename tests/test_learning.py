@@ -1,5 +1,5 @@
 """Learning goes the right way: tests that negating the advantages (or evaluating the base model as the trained one)
-makes fail, which the flow-level oracles comparing one run with another cannot see (DESIGN.md section 6).
+makes fail, which the flow-level oracles comparing one run with another cannot see (docs/design.md section 6).
 
 1. One training step on real rewards, in-process (no Ray, no Prefect): the tiny SD3 samples two prompt groups with the
    rollout's sampler, the built-in `jpeg_compressibility` reward scores them through the reward manager, the trainer's

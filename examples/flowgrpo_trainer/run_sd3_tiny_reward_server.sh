@@ -2,7 +2,7 @@
 # Flow-GRPO on the tiny SD3-family model with its reward served over HTTP: `omniflow reward-server` runs the reward
 # (here PickScore on a tiny random CLIP; any reward.reward_functions entries work) in a process of its own, which can
 # hold its own GPU (CUDA_VISIBLE_DEVICES) or run on another machine (--host 0.0.0.0 there, and point
-# REWARD_SERVER_URL at it). Any server that speaks the JSON wire format (README: "Reward servers") works too.
+# REWARD_SERVER_URL at it). Any server that speaks the JSON wire format (docs/configuration.md, "Model rewards and reward servers") works too.
 #   REWARD_SERVER_URL=http://scorer:8765/score bash examples/flowgrpo_trainer/run_sd3_tiny_reward_server.sh
 set -xeuo pipefail
 

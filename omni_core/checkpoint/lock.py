@@ -1,4 +1,4 @@
-"""`RunLock`: one run per checkpoint folder (DESIGN.md section 2: a second run pointed at a folder in use
+"""`RunLock`: one run per checkpoint folder (docs/design.md section 2: a second run pointed at a folder in use
 is refused).
 
 The lock is `<root>/.omniflow.lock`, holding JSON {pid, host, run_id, started} for people and error

@@ -7,7 +7,7 @@ final rename and the `latest` write: the checkpoint is complete (fsynced before 
 choose the resume point, skipping checkpoints that no longer match their manifest, and move those skipped ones
 aside (`global_step_N.damaged`): the run is about to write those steps again, and the writer never replaces a
 complete checkpoint of another run, so left in place they would stop it at its next save. Retention never deletes
-the latest checkpoint, a protected one (the checkpoint a running `fit_epoch` would restart from, DESIGN.md
+the latest checkpoint, a protected one (the checkpoint a running `fit_epoch` would restart from, docs/design.md
 section 2), nor another run's checkpoint newer than the current run's oldest.
 """
 

@@ -2,7 +2,7 @@
 
 Plays the role of verl's `StatefulDataLoader` + seeded sampler. The order of epoch `e` is a function of
 (seed, e) only, and the state is just (epoch, position), so a loader restored from a checkpoint yields
-exactly the batches an uninterrupted one would (DESIGN.md section 2: same seed, same result).
+exactly the batches an uninterrupted one would (docs/design.md section 2: same seed, same result).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Tiny SD3 (``arch="sd3"``, ``StableDiffusion3Pipeline``), ~2.3 M transformer para
 - ``transformer``: ``SD3Transformer2DModel`` 4 layers, 4 heads x 32 head dim (inner 128), patch 2,
   16 latent channels, ``joint_attention_dim`` 64 (== T5 d_model) and ``pooled_projection_dim`` 64
   (== 2 x CLIP projection) -- SD3's ``encode_prompt`` pads the concatenated CLIP hiddens (2 x 32) to
-  the T5 width, and silently crops if they were wider (reference/diffusion-rl.md §4.1).
+  the T5 width, and silently crops if they were wider.
 - ``vae``: ``AutoencoderKL`` with 2 blocks (8, 16 channels), scale factor 2, 16 latent channels.
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=3.0)``.
 

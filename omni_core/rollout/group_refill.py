@@ -1,7 +1,7 @@
 """`trainer.v1.sampler.drop_incomplete_groups` (sync mode): a prompt group with a failed sample is evicted, its
 prompt is sampled again, and the step trains complete groups only.
 
-verl-omni's diffusion replay buffer (reference/verl-omni.md §5.2) evicts a group with a failed sample (its
+verl-omni's diffusion replay buffer evicts a group with a failed sample (its
 prompt and trajectory rows cleared from the TransferQueue) and submits as many replacement prompts, up to
 `max_incomplete_group_refill_rounds` rounds; its generation batch is one prompt. OmniFlow follows it with
 two differences, both from issue 13:

@@ -18,7 +18,7 @@ the record by a separate_async run, never by a sync run (which refuses the check
 
 Why not TransferQueue's own ``save_checkpoint`` / ``load_checkpoint`` (installed 0.1.11 has them): they
 snapshot and restore the whole controller, every partition of every run on the cluster (one named controller
-serves them all, DESIGN.md §2), and a load replaces all partitions, so resuming one run would roll the others
+serves them all, docs/design.md section 2), and a load replaces all partitions, so resuming one run would roll the others
 back. This record holds one run's partition only.
 """
 

@@ -1,6 +1,6 @@
 """``Trajectory``: the record one rollout batch hands to rewards, the trainer and the transfer queue.
 
-Only the SDE window is stored (reference/diffusion-rl.md §1.6; DESIGN.md §5). With B samples, window
+Only the SDE window is stored (docs/design.md section 5). With B samples, window
 length W and per-sample latent shape ``S`` (SD3 ``(C, h, w)``, FLUX packed ``(N, 4C)``):
 
 ============== ===================== =====================================================================

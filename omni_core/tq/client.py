@@ -1,12 +1,12 @@
 """The TransferQueue adapter: start / attach / close, per-run partitions, prompt and trajectory rows.
 
 A thin layer over the real ``transfer_queue`` package (PyPI ``transferqueue``), the v1 data plane between
-rollout and training (reference/verl-omni.md §6). It owns three things TQ leaves to its callers:
+rollout and training. It owns three things TQ leaves to its callers:
 
 * start-up that fails instead of hanging: TQ's controller and each SimpleStorage unit reserve one
-  logical Ray CPU for their lifetime, and ``tq.init`` waits forever when they do not fit (DESIGN.md §7);
+  logical Ray CPU for their lifetime, and ``tq.init`` waits forever when they do not fit (docs/design.md section 7);
 * the row schema (below), with per-run partition ids, since one named controller serves every run on a
-  Ray cluster (DESIGN.md §2);
+  Ray cluster (docs/design.md section 2);
 * deterministic reads: rows come back sorted by key, as dense tensors where TQ hands back jagged ones.
 
 Row schema (one TQ partition per run and split, ``f"{run_id}/train"``):

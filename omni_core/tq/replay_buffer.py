@@ -1,11 +1,11 @@
 """The v1 trainer's replay buffer: hands out complete prompt groups from a TransferQueue partition.
 
 Follows the idea of verl's v1 ``ReplayBuffer`` (``verl/trainer/ppo/v1/replay_buffer.py``, used unchanged by
-verl-omni; reference/verl-omni.md §6.3): the trainer never talks to rollout workers, it reads prompt-row
+verl-omni): the trainer never talks to rollout workers, it reads prompt-row
 tags from TQ until enough groups are done, takes the oldest, and clears their prompt rows. Failed groups
 are handed out too (partial groups, as in verl), with their failure reason.
 
-What differs: every wait is bounded (DESIGN.md §7). Each poll calls the trainer's ``liveness_check``
+What differs: every wait is bounded (docs/design.md section 7). Each poll calls the trainer's ``liveness_check``
 (which raises when a rollout worker died), and after ``timeout_s`` a ``TimeoutError`` says what was
 ready and what to check; verl's loop polls forever once a worker is gone. A group is ``finished`` only
 when its ``group_size`` trajectory rows are also there, so a status written before the data is not

@@ -7,7 +7,7 @@ epoch through `fit_epoch(epoch)`, which is a function of (config, epoch, checkpo
 any Ray worker, fail, and be retried. It
 finds the run's actors by name, restores the controller state from the last checkpoint written
 before the failure (reloading the actor if its weights moved past it), clears stale TransferQueue
-rows and continues. One step (sync mode) follows DESIGN.md section 1:
+rows and continues. One step (sync mode) follows docs/design.md section 1:
 
   prompts -> TQ (pending) -> rollout workers sample + score -> replay buffer (complete groups, oldest
   first) -> advantages -> old log-probs + PPO update in the training actor -> checkpoint -> weights to
@@ -65,7 +65,7 @@ from omni_core.worker_pool import actor_options, create_pool, remove_pool
 
 logger = logging.getLogger("omni_core.trainer")
 
-# Every wait is bounded (DESIGN.md section 7).
+# Every wait is bounded (docs/design.md section 7).
 ACTOR_CALL_TIMEOUT_S = 1800.0
 ACTOR_RESTART_TIMEOUT_S = 600.0
 # How long a log drain waits for the actors' buffers: after a step (idle actors answer in milliseconds; a busy

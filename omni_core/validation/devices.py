@@ -59,7 +59,7 @@ def device_problems(config: OmniFlowConfig, device_counts: dict[str, int] | None
     p.extend(fsdp2_problems(config))
     if ray_init.address is None:  # a joined cluster's torch is the workers', not this driver's
         p.extend(distributed_problems(config, device))
-    # A reservation that cannot be met hangs forever (DESIGN.md section 7). A joined cluster is checked
+    # A reservation that cannot be met hangs forever (docs/design.md section 7). A joined cluster is checked
     # once connected; a local one declares ray_init.num_cpus (and num_gpus, when set).
     budget = run_resource_budget(config)
     if ray_init.address is None and ray_init.num_cpus is not None and ray_init.num_cpus < budget.total_cpus:
