@@ -38,11 +38,6 @@ class Architecture:
     guidance_embedding: bool
     none_reason: str = ""
 
-    @property
-    def names(self) -> tuple[str, str]:
-        """What a user may write for it: the short name (any case) or the pipeline class name."""
-        return self.name, self.pipeline
-
     def pipeline_cls(self) -> type:
         return getattr(importlib.import_module("diffusers"), self.pipeline)
 
