@@ -2,9 +2,10 @@
 
 Written from the Flow-GRPO paper's equations (arXiv 2505.05470, ODE-to-SDE conversion and the GRPO
 objective) in the flow_grpo style (yifan123/flow_grpo ``scripts/train_sd3_fast.py``: one SDE window per
-batch, rollout log-probs as the old log-probs), readable top to bottom as CleanRL's ``ppo.py``. It imports
-nothing from OmniFlow, so ``benchmarks/bench_core.py`` can compare omni_core's plain loop against it at
-equal work: same model folder, shapes, number of transformer calls, trained transitions, threads, fp32.
+batch, rollout log-probs as the old log-probs), readable top to bottom as CleanRL's ``ppo.py``. It imports no
+OmniFlow code (only the shared default noise level, a plain constant), so ``benchmarks/bench_core.py`` can compare
+omni_core's plain loop against it at equal work: same model folder, shapes, number of transformer calls, trained
+transitions, threads, fp32.
 
 One training step:
     1. encode P prompts (``pipe.encode_prompt``), n samples each -> B = P x n
@@ -43,6 +44,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
+from omni_core.sde_defaults import NOISE_LEVEL
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS_FILE = REPO / "omni_core" / "assets" / "prompts" / "train.txt"  # read as text, not imported
 
@@ -58,7 +61,7 @@ class ReferenceConfig:
     height: int = 64
     width: int = 64
     num_steps: int = 10
-    noise_level: float = 0.7
+    noise_level: float = NOISE_LEVEL
     window_size: int = 2
     window_range: tuple[int, int] = (0, 5)
     max_sequence_length: int = 32

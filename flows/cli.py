@@ -179,6 +179,8 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from omni_core.models.architectures import ARCHITECTURES  # light: names only
+
     parser = argparse.ArgumentParser(
         prog="omniflow",
         description="OmniFlow: Flow-GRPO fine-tuning of diffusion models as a Prefect flow on Ray.",
@@ -263,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (save_pretrained)")
     tiny.add_argument("dir", help="output folder")
-    tiny.add_argument("--arch", choices=["sd3", "flux", "qwen-image", "clip"], default="sd3")  # models.tiny.ARCHITECTURES + clip
+    tiny.add_argument("--arch", choices=[*ARCHITECTURES, "clip"], default="sd3")  # clip: a reward model
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 

@@ -32,8 +32,13 @@ from pydantic import BaseModel, Field
 from omni_core.config import OmniFlowConfig, resolve_config
 from omni_core.device import auto_set_device
 from omni_core.evaluation import evaluation_records
+from omni_core.models.architectures import ARCHITECTURES
 from omni_core.ray_cluster import connect_ray
 from omni_core.reports.cards import evaluation_card
+
+# The names of `ARCHITECTURES`, spelled out: a Literal is what gives the Prefect form its choices and type checkers
+# the names, and it cannot be computed from the table statically (tests/test_extension_tables.py checks they agree).
+ArchName = Literal["sd3", "flux", "qwen-image"]
 
 EVAL_DIR = "evaluation"
 EXPORT_DIR = "export"
@@ -107,7 +112,7 @@ def evaluate(
 def diffusion_rl_pipeline(
     base_model: str = "models/tiny-sd3",
     build_tiny_if_missing: bool = True,
-    arch: Literal["sd3", "flux", "qwen-image"] = "sd3",
+    arch: ArchName = "sd3",
     config: OmniFlowConfig | None = None,
     overrides: list[str] = [],  # noqa: B006  (Prefect parameters are copied per run)
     config_files: list[str] = [],  # noqa: B006
@@ -123,8 +128,7 @@ def diffusion_rl_pipeline(
         build_tiny_if_missing: Build the tiny random-weight test model in `base_model` if that folder
             holds no pipeline; otherwise a missing model fails the run before any training.
         arch: Architecture of the base model (`sd3`: StableDiffusion3Pipeline, `flux`: FluxPipeline, `qwen-image`:
-            QwenImagePipeline); the
-            tiny model is built with it, and an existing folder must hold it.
+            QwenImagePipeline); the tiny model is built with it, and an existing folder must hold it.
         config: The training config (verl-omni key paths), as for `main_diffusion_v1`.
         overrides: verl-style `key.path=value` strings applied on top of the config.
         config_files: YAML config files read in order when `config` is empty.
@@ -174,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m omniflow.flows.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-model", default="models/tiny-sd3", help="diffusers folder (the tiny model is built if absent)")
-    parser.add_argument("--arch", choices=["sd3", "flux", "qwen-image"], default="sd3")
+    parser.add_argument("--arch", choices=list(ARCHITECTURES), default="sd3")
     parser.add_argument("--no-build", action="store_true", help="fail instead of building the tiny model")
     parser.add_argument("--new-experiment", action="store_true", help="new_experiment_per_run=true")
     parser.add_argument("--eval-samples", type=int, default=2, help="samples per validation prompt")

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from omni_core.sde_defaults import NOISE_LEVEL, SDE_TYPE
+
 SDE_TYPES = ("sde", "cps")
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
@@ -66,7 +68,7 @@ def sde_step_from_sigmas(
     noise_level: float,
     prev_sample: torch.Tensor | None = None,
     generator: Generators = None,
-    sde_type: str = "sde",
+    sde_type: str = SDE_TYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One reverse-SDE step from ``sample`` (at ``sigma``) to ``sigma_next``; see the module docstring.
 
@@ -122,10 +124,10 @@ def sde_step_with_logprob(
     model_output: torch.Tensor,
     timestep: torch.Tensor | float,
     sample: torch.Tensor,
-    noise_level: float = 0.7,
+    noise_level: float = NOISE_LEVEL,
     prev_sample: torch.Tensor | None = None,
     generator: Generators = None,
-    sde_type: str = "sde",
+    sde_type: str = SDE_TYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """flow_grpo-compatible signature: sigmas looked up from per-sample ``timestep`` in ``scheduler``.
 

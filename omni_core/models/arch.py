@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
+from omni_core.models.architectures import BY_PIPELINE, Architecture
+
 
 def _shift_mu(scheduler, image_seq_len: int) -> float:
     cfg = scheduler.config
@@ -38,9 +40,9 @@ def _shift_mu(scheduler, image_seq_len: int) -> float:
 
 
 class ArchAdapter:
-    """Base: pixel size -> latent grid; shared decode to uint8."""
+    """Base: pixel size -> latent grid; shared decode to uint8. ``architecture`` is the pipeline's entry in
+    ``ARCHITECTURES`` (its guidance rules)."""
 
-    name = "base"
     #: key names of the cond dict (positive; the negatives are prefixed with ``negative_``)
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     #: CFG runs only when negative prompts are given (FluxPipeline / QwenImagePipeline: ``has_neg_prompt``);
@@ -49,6 +51,7 @@ class ArchAdapter:
 
     def __init__(self, pipe: DiffusionPipeline):
         self.pipe = pipe
+        self.architecture: Architecture = BY_PIPELINE[type(pipe).__name__]
 
     # Read when needed: a pipeline loaded only to embed prompts has no VAE.
     @property
@@ -91,8 +94,9 @@ class ArchAdapter:
         raise NotImplementedError
 
     def cfg_scale(self, guidance_scale: float, true_cfg_scale: float) -> float:
-        """The scale of classifier-free guidance (1.0: none) given the pipeline's two guidance arguments."""
-        return true_cfg_scale
+        """The scale of classifier-free guidance (1.0: none) given the pipeline's two guidance arguments: the one
+        the architecture's ``cfg_scale`` names (config validation reads the same entry)."""
+        return guidance_scale if self.architecture.cfg_scale == "guidance_scale" else true_cfg_scale
 
     def combine_cfg(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
         """CFG: ``uncond + scale * (cond - uncond)`` (Imagen's equation 2, as the pipelines write it)."""
@@ -111,11 +115,7 @@ class ArchAdapter:
 class SD3Adapter(ArchAdapter):
     """StableDiffusion3Pipeline: spatial latents, three text encoders, timestep in [0, 1000]."""
 
-    name = "sd3"
     needs_negative_prompt = False
-
-    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float) -> float:
-        return guidance_scale  # StableDiffusion3Pipeline has no true_cfg_scale: guidance_scale is CFG
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.latent_channels, *self.latent_hw(height, width))
@@ -161,8 +161,6 @@ class PixelSD3Adapter(SD3Adapter):
     the procedural benchmark's model (``omni_core.procedural.model``): latents are images in [-1, 1] (scale factor 1)
     and decoding maps them to uint8 exactly as the VAE image processor's postprocess would."""
 
-    name = "sd3-pixel"
-
     @property
     def vae_scale_factor(self) -> int:
         return 1
@@ -182,8 +180,6 @@ class FluxAdapter(ArchAdapter):
     ``guidance_scale`` feeds only the guidance embedding (FLUX.1-dev); ``true_cfg_scale > 1`` with negative
     prompts runs true CFG on top (FluxPipeline's ``do_true_cfg``), each branch with the same embedding.
     """
-
-    name = "flux"
 
     def _grid(self, height: int | None, width: int | None, num_tokens: int | None = None) -> tuple[int, int]:
         """Latent grid (h, w) before packing; pixel size may be omitted for square images."""
@@ -269,7 +265,6 @@ class QwenImageAdapter(FluxAdapter):
     image tokens the velocity of the unpadded one up to rounding.
     """
 
-    name = "qwen-image"
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
 
     @property
@@ -337,25 +332,19 @@ class QwenImageAdapter(FluxAdapter):
         return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
-ADAPTERS: dict[str, type[ArchAdapter]] = {
-    "StableDiffusion3Pipeline": SD3Adapter,
-    "FluxPipeline": FluxAdapter,
-    "QwenImagePipeline": QwenImageAdapter,
-}
-
-
 def adapter_for(pipe: DiffusionPipeline) -> ArchAdapter:
-    """The adapter of a loaded pipeline; an SD3 pipeline without a VAE whose transformer has 3 input channels is a
-    pixel-space model (``PixelSD3Adapter``)."""
+    """The adapter of a loaded pipeline (its entry's ``adapter``); an SD3 pipeline without a VAE whose transformer
+    has 3 input channels is a pixel-space model (``PixelSD3Adapter``)."""
     name = type(pipe).__name__
-    if name not in ADAPTERS:
-        raise ValueError(f"no architecture adapter for {name}; supported: {sorted(ADAPTERS)}")
+    if name not in BY_PIPELINE:
+        raise ValueError(f"no architecture adapter for {name}; supported: {sorted(BY_PIPELINE)}")
+    adapter = BY_PIPELINE[name].adapter_cls()
     transformer = getattr(pipe, "transformer", None)
-    if name == "StableDiffusion3Pipeline" and getattr(pipe, "vae", None) is None and transformer is not None:
+    if adapter is SD3Adapter and getattr(pipe, "vae", None) is None and transformer is not None:
         if transformer.config.in_channels != 3:
             raise ValueError(
                 f"this SD3 pipeline has no VAE but its transformer takes {transformer.config.in_channels} channels: "
                 "a pixel-space model needs in_channels=3; a latent model needs its vae folder"
             )
         return PixelSD3Adapter(pipe)
-    return ADAPTERS[name](pipe)
+    return adapter(pipe)

@@ -1,7 +1,7 @@
 """Load a saved diffusers pipeline from a local directory, the one way OmniFlow loads models.
 
-Owns: architecture resolution (``model_index.json``'s ``_class_name`` or an explicit name), the list
-of supported pipelines, clear errors (``ModelLoadError``) that name the path and the problem, and
+Owns: architecture resolution (``model_index.json``'s ``_class_name`` or an explicit name, checked against
+``architectures.ARCHITECTURES``), clear errors (``ModelLoadError``) that name the path and the problem, and
 freezing of everything that is not trained (text encoders, VAE). The transformer is left as loaded;
 ``FlowPolicy`` decides what in it is trainable.
 """
@@ -12,34 +12,28 @@ import inspect
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
+from diffusers import DiffusionPipeline
 
-from omni_core.models.model_index import ARCHITECTURE_ALIASES, ModelLoadError, read_model_index
+from omni_core.models.architectures import BY_PIPELINE, architecture_choices, find_architecture
+from omni_core.models.model_index import ModelLoadError, read_model_index
 from omni_core.quiet import quiet_model_libraries
 
 quiet_model_libraries()  # no progress bars while every actor loads its pipeline
 
-# Keyed by the pipeline class name written in model_index.json.
-SUPPORTED_PIPELINES: dict[str, type[DiffusionPipeline]] = {
-    "StableDiffusion3Pipeline": StableDiffusion3Pipeline,
-    "FluxPipeline": FluxPipeline,
-    "QwenImagePipeline": QwenImagePipeline,
-}
-
 
 def resolve_architecture(architecture: str) -> str:
-    """Map ``"sd3"`` / ``"flux"`` / ``"qwen-image"`` / a pipeline class name to the supported pipeline class name."""
-    name = ARCHITECTURE_ALIASES.get(architecture.lower(), architecture)
-    if name not in SUPPORTED_PIPELINES:
-        choices = sorted(SUPPORTED_PIPELINES) + sorted(ARCHITECTURE_ALIASES)
-        raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {choices}")
-    return name
+    """Map a short name of ``ARCHITECTURES`` (``"sd3"``, ...) or a pipeline class name to the supported pipeline
+    class name."""
+    entry = find_architecture(architecture)
+    if entry is None:
+        raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {architecture_choices()}")
+    return entry.pipeline
 
 
 def check_pipeline_folder(path: str | Path, architecture: str | None = None) -> str:
     """The supported pipeline class saved in ``path``, after checking the folder the way loading needs it.
 
-    ``architecture`` (``"sd3"``, ``"flux"``, ``"qwen-image"``, a pipeline class name, or None / ``"auto"`` to read
+    ``architecture`` (a short name of ``ARCHITECTURES``, a pipeline class name, or None / ``"auto"`` to read
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given; every component
     folder listed in ``model_index.json`` must exist. Raises ``ModelLoadError`` naming the path.
     """
@@ -106,14 +100,14 @@ def load_pipeline(
 ) -> DiffusionPipeline:
     """Load the pipeline saved in ``path`` (local only) and freeze its text encoders and VAE.
 
-    ``architecture`` (``"sd3"``, ``"flux"``, ``"qwen-image"``, a pipeline class name, or None / ``"auto"`` to read
+    ``architecture`` (a short name of ``ARCHITECTURES``, a pipeline class name, or None / ``"auto"`` to read
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given.
     ``text_encoders=False`` leaves the text encoders and tokenizers out (None): for a policy whose
     prompts come from precomputed embeddings (``omni_core.models.prompt_embeddings``).
     """
     path = Path(path).expanduser()
     name = check_pipeline_folder(path, architecture)
-    cls = SUPPORTED_PIPELINES[name]
+    cls = BY_PIPELINE[name].pipeline_cls()
     skipped = absent_components(path) | ({} if text_encoders else dict.fromkeys(text_components(cls)))
     try:
         pipe = cls.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **skipped)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from omni_core.models.architectures import find_architecture
+
 
 class ModelLoadError(ValueError):
     """A model directory could not be loaded; the message names the path and the problem."""
@@ -23,19 +25,13 @@ def read_model_index(path: Path) -> dict:
         raise ModelLoadError(f"{index_file}: not valid JSON ({err})") from err
 
 
-# Short names a user may type in ``actor_rollout_ref.model.architecture`` (``loader.resolve_architecture``).
-ARCHITECTURE_ALIASES: dict[str, str] = {
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-    "qwen-image": "QwenImagePipeline",
-}
-
-
 def pipeline_class_name(path: Path, architecture: str | None = None) -> str | None:
-    """The pipeline class a run uses: ``architecture`` (an alias or a class name) when set (not ``"auto"``), else
-    ``model_index.json``'s ``_class_name``; unchecked (``loader.check_pipeline_folder`` checks it)."""
+    """The pipeline class a run uses: ``architecture`` (a short name or a class name of ``ARCHITECTURES``) when set
+    (not ``"auto"``), else ``model_index.json``'s ``_class_name``; unchecked (``loader.check_pipeline_folder`` checks
+    it: an unknown name comes back as written)."""
     if architecture and architecture.lower() != "auto":
-        return ARCHITECTURE_ALIASES.get(architecture.lower(), architecture)
+        entry = find_architecture(architecture)
+        return entry.pipeline if entry else architecture
     return read_model_index(path).get("_class_name")
 
 

@@ -98,12 +98,13 @@ def unique_prompts(prompts: Sequence[str]) -> list[str]:
 
 def _text_only_adapter(model_path: Path, architecture: str | None, device: str, torch_dtype: torch.dtype) -> ArchAdapter:
     # diffusers only here: the flow process that finds the embeddings cached never imports it (~2 s on 2 cores).
-    from omni_core.models.arch import ADAPTERS
-    from omni_core.models.loader import SUPPORTED_PIPELINES, ModelLoadError, absent_components, check_pipeline_folder
+    from omni_core.models.architectures import BY_PIPELINE
+    from omni_core.models.loader import ModelLoadError, absent_components, check_pipeline_folder
 
     name = check_pipeline_folder(model_path, architecture)
+    entry = BY_PIPELINE[name]
     try:
-        pipe = SUPPORTED_PIPELINES[name].from_pretrained(
+        pipe = entry.pipeline_cls().from_pretrained(
             model_path,
             **(absent_components(model_path) | {"transformer": None, "vae": None}),
             dtype=torch_dtype,
@@ -125,7 +126,7 @@ def _text_only_adapter(model_path: Path, architecture: str | None, device: str, 
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False).eval()
     # encode() needs only the pipeline's text side: the same adapter (and encode) that policies use.
-    return ADAPTERS[name](pipe)
+    return entry.adapter_cls()(pipe)
 
 
 @torch.no_grad()

@@ -76,11 +76,10 @@ from transformers import (
     T5Tokenizer,
 )
 
+from omni_core.models.architectures import ARCHITECTURES
 from omni_core.quiet import quiet_model_libraries
 
 quiet_model_libraries()  # no progress bars while writing the tiny model
-
-ARCHITECTURES = ("sd3", "flux", "qwen-image")
 
 CLIP_HIDDEN = 32
 T5_D_MODEL = 64
@@ -245,7 +244,8 @@ def _seeded(seed: int, k: int) -> None:
     torch.manual_seed(seed + k)
 
 
-def _build_sd3(seed: int) -> StableDiffusion3Pipeline:
+def tiny_sd3(seed: int) -> StableDiffusion3Pipeline:
+    """The tiny SD3 pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``)."""
     clip_tok = build_clip_tokenizer()
     t5_tok = build_t5_tokenizer()
     _seeded(seed, 0)
@@ -283,7 +283,8 @@ def _build_sd3(seed: int) -> StableDiffusion3Pipeline:
     )
 
 
-def _build_flux(seed: int) -> FluxPipeline:
+def tiny_flux(seed: int) -> FluxPipeline:
+    """The tiny FLUX pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``)."""
     clip_tok = build_clip_tokenizer()
     t5_tok = build_t5_tokenizer()
     _seeded(seed, 0)
@@ -324,7 +325,8 @@ def _build_flux(seed: int) -> FluxPipeline:
     )
 
 
-def _build_qwen_image(seed: int) -> QwenImagePipeline:
+def tiny_qwen_image(seed: int) -> QwenImagePipeline:
+    """The tiny Qwen-Image pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``)."""
     tokenizer = build_qwen2_tokenizer()
     _seeded(seed, 0)
     text_encoder = qwen_text_encoder(tokenizer)
@@ -359,11 +361,8 @@ def _build_qwen_image(seed: int) -> QwenImagePipeline:
     )
 
 
-_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "qwen-image": _build_qwen_image}
-
-
 def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0) -> Path:
-    """Build a tiny random-weight pipeline of ``arch`` ("sd3", "flux" or "qwen-image") and save it to ``out_dir``.
+    """Build a tiny random-weight pipeline of ``arch`` (a name of ``ARCHITECTURES``) and save it to ``out_dir``.
 
     Returns the directory, which ``load_pipeline`` (or ``<Pipeline>.from_pretrained``) reads back.
     Dimensions are listed in the module docstring. The global torch RNG is reseeded while building
@@ -374,7 +373,7 @@ def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0) -
     out = Path(out_dir)
     rng_state = torch.random.get_rng_state()
     try:
-        pipe = _BUILDERS[arch](seed)
+        pipe = ARCHITECTURES[arch].build_tiny(seed)
     finally:
         torch.random.set_rng_state(rng_state)
     out.mkdir(parents=True, exist_ok=True)

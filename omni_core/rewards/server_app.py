@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from omni_core.rewards.manager import RewardManager
-from omni_core.rewards.wire_format import WireFormatError, json_response, parse_json_request
+from omni_core.rewards.wire_format import JSON_FORMAT, WireFormatError, json_response, parse_json_request
 
 __all__ = ["create_app", "serve"]
 
@@ -71,7 +71,7 @@ def create_app(manager: RewardManager) -> Starlette:
         return JSONResponse(answer)
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "format": "json", "terms": labels, "mode": _mode(manager)})
+        return JSONResponse({"status": "ok", "format": JSON_FORMAT.name, "terms": labels, "mode": _mode(manager)})
 
     return Starlette(routes=[Route("/score", score, methods=["POST"]), Route("/health", health, methods=["GET"])])
 

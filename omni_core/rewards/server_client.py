@@ -26,13 +26,7 @@ import httpx
 
 from omni_core.rewards.entries import display_url
 from omni_core.rewards.terms import BatchRewardTerm, RewardBatch
-from omni_core.rewards.wire_format import (
-    error_detail,
-    json_request,
-    parse_json_response,
-    parse_pickle_response,
-    pickle_request,
-)
+from omni_core.rewards.wire_format import PICKLE_FORMAT, WIRE_FORMATS, WireFormat
 
 __all__ = ["ENV_PREFIX", "RewardServerClient", "RewardServerError", "display_url", "server_term"]
 
@@ -60,10 +54,12 @@ class RewardServerClient:
     ) -> None:
         if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
             raise ValueError(f"server_url={display_url(url)!r} must be an http:// or https:// URL with a host")
+        if fmt not in WIRE_FORMATS:
+            raise ValueError(f"format={fmt!r} is not a reward-server wire format; choose one of {list(WIRE_FORMATS)}")
         self.url = url
         self.shown_url = display_url(url)
         self._headers = dict(headers)  # values as written: literals or env:NAME references, never resolved here
-        self.fmt = fmt
+        self.fmt = fmt  # the name: a term shipped to another process carries no functions
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
@@ -71,6 +67,10 @@ class RewardServerClient:
         self.prompts_from = prompts_from
         self._client: httpx.Client | None = None
         self._lock = threading.Lock()
+
+    @property
+    def wire(self) -> WireFormat:
+        return WIRE_FORMATS[self.fmt]
 
     def __getstate__(self) -> dict[str, Any]:  # a term shipped to another process opens its own pool there
         return {**self.__dict__, "_client": None, "_lock": None}
@@ -88,7 +88,7 @@ class RewardServerClient:
 
     def _request_headers(self) -> dict[str, str]:
         """The headers of one request, `env:NAME` values read now (a missing variable fails the batch, unretried)."""
-        resolved = {"content-type": "application/json" if self.fmt == "json" else "application/octet-stream"}
+        resolved = {"content-type": self.wire.content_type}
         for name, value in self._headers.items():
             if value.startswith(ENV_PREFIX):
                 var = value[len(ENV_PREFIX) :]
@@ -104,16 +104,11 @@ class RewardServerClient:
     def __call__(self, batch: RewardBatch) -> list[Any]:
         n = len(batch)
         texts = batch.prompts if self.prompts_from == "prompt" else batch.ground_truths
-        if self.fmt == "json":
-            metadata = [
-                {"data_source": s, "ground_truth": g, "extra_info": e}
-                for s, g, e in zip(batch.data_sources, batch.ground_truths, batch.extra_infos, strict=True)
-            ]
-            body = json_request(batch.images, texts, metadata)
-        else:
-            body = pickle_request(batch.images, ["" if t is None else t for t in texts])
-        content = self._post(body)
-        return parse_json_response(content, n) if self.fmt == "json" else parse_pickle_response(content, n)
+        metadata = [
+            {"data_source": s, "ground_truth": g, "extra_info": e}
+            for s, g, e in zip(batch.data_sources, batch.ground_truths, batch.extra_infos, strict=True)
+        ]
+        return self.wire.parse(self._post(self.wire.encode(batch.images, texts, metadata)), n)
 
     def _post(self, body: bytes) -> bytes:
         attempts = self.max_retries + 1
@@ -129,7 +124,7 @@ class RewardServerClient:
             else:
                 if response.status_code == 200:
                     return response.content
-                detail = error_detail(response.content, self.fmt)
+                detail = self.wire.error_detail(response.content)
                 last = f"HTTP {response.status_code}: {detail}"
                 if response.status_code not in RETRIED_STATUS and response.status_code < 500:
                     raise RewardServerError(f"{self.shown_url} answered {last} (a client error: not retried)")
@@ -148,7 +143,7 @@ def server_term(spec: Any, verl_client: bool = False) -> BatchRewardTerm:
     `verl_client`: the entry is verl-omni's `http_scorer_client` (its `path`): flow_grpo's pickle format, and each
     sample's ground_truth sent as its prompt, as that client does.
     """
-    fmt = "flow_grpo_pickle" if verl_client else spec.format
+    fmt = PICKLE_FORMAT.name if verl_client else spec.format
     prompts_from = spec.prompts_from or ("ground_truth" if verl_client else "prompt")
     client = RewardServerClient(
         spec.server_url,

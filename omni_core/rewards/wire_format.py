@@ -1,5 +1,9 @@
 """The reward-server wire formats: OmniFlow's JSON (the default) and flow_grpo's pickle, both directions.
 
+`WIRE_FORMATS` holds one `WireFormat` per name a reward entry's `format` takes: its content type, how a client
+encodes a batch and parses the answer, and how it reads the reason out of an error answer. Everything that
+depends on the format goes through the table, never a test of the name.
+
 JSON (`POST <server_url>`, `Content-Type: application/json`)::
 
     request   {"images": ["<base64 PNG>", ...], "prompts": ["...", ...],
@@ -27,7 +31,8 @@ import io
 import json
 import math
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +43,10 @@ from omni_core.rewards.builtin import to_hwc_uint8
 from omni_core.rewards.terms import SampleFailure
 
 __all__ = [
+    "JSON_FORMAT",
+    "PICKLE_FORMAT",
+    "WIRE_FORMATS",
+    "WireFormat",
     "WireFormatError",
     "decode_png",
     "encode_png",
@@ -200,12 +209,41 @@ def parse_pickle_response(data: bytes, n: int) -> list[Any]:
     return list(_list_of(body, "scores", n, required=True))
 
 
-def error_detail(data: bytes, fmt: str) -> str:
-    """The reason in an error response (`{"error": ...}` as JSON or pickle, else its text), at most 500 characters."""
-    try:
-        body = restricted_loads(data) if fmt == "flow_grpo_pickle" else json.loads(data)
-        if isinstance(body, dict) and "error" in body:
-            return str(body["error"])[:500]
-    except Exception:
-        pass
-    return data.decode("utf-8", errors="replace").strip()[:500] or "(empty body)"
+def _pickle_request_of(images: Sequence[Any], prompts: Sequence[Any], metadata: Sequence[dict[str, Any]]) -> bytes:
+    # flow_grpo's request has no per-sample metadata and a text prompt for every image
+    return pickle_request(images, ["" if p is None else p for p in prompts])
+
+
+# ------------------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class WireFormat:
+    """One wire format, as a client speaks it.
+
+    `encode(images, prompts, metadata)` is the request body; `parse(body, n)` one outcome per image of a 200
+    answer (a number, `{"score", <extras>}` or a `SampleFailure`); `load_error(body)` decodes an error answer
+    (a dict whose `"error"` is the reason, read by `error_detail`).
+    """
+
+    name: str
+    content_type: str
+    encode: Callable[[Sequence[Any], Sequence[Any], Sequence[dict[str, Any]]], bytes]
+    parse: Callable[[bytes, int], list[Any]]
+    load_error: Callable[[bytes], Any]
+
+    def error_detail(self, data: bytes) -> str:
+        """The reason in an error answer (`{"error": ...}` in this format, else its text), at most 500 characters."""
+        try:
+            body = self.load_error(data)
+            if isinstance(body, dict) and "error" in body:
+                return str(body["error"])[:500]
+        except Exception:
+            pass
+        return data.decode("utf-8", errors="replace").strip()[:500] or "(empty body)"
+
+
+JSON_FORMAT = WireFormat("json", "application/json", json_request, parse_json_response, json.loads)
+PICKLE_FORMAT = WireFormat(
+    "flow_grpo_pickle", "application/octet-stream", _pickle_request_of, parse_pickle_response, restricted_loads
+)
+# Keyed by the names a reward entry's `format` takes (the config schema's Literal lists the same; a test checks).
+WIRE_FORMATS: dict[str, WireFormat] = {f.name: f for f in (JSON_FORMAT, PICKLE_FORMAT)}

@@ -27,6 +27,7 @@ import torch
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.trajectory import Trajectory
 from omni_core.sde import sample_sde_windows, sde_step_from_sigmas, window_length
+from omni_core.sde_defaults import NOISE_LEVEL, SDE_TYPE
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -68,8 +69,8 @@ def generate(
     num_inference_steps: int,
     guidance_scale: float = 1.0,
     true_cfg_scale: float = 1.0,
-    noise_level: float = 0.7,
-    sde_type: str = "sde",
+    noise_level: float = NOISE_LEVEL,
+    sde_type: str = SDE_TYPE,
     sde_window_size: int | None = None,
     sde_window_range: Sequence[int] | None = None,
     max_sequence_length: int = 128,
@@ -219,7 +220,7 @@ def score_transitions(
     *,
     guidance_scale: float,
     noise_level: float,
-    sde_type: str = "sde",
+    sde_type: str = SDE_TYPE,
     use_reference: bool = False,
     detach_uncond: bool = False,
     true_cfg_scale: float = 1.0,

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omni_core.sde_defaults import NOISE_LEVEL, SDE_TYPE
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -47,8 +49,8 @@ class SamplingParams:
     num_inference_steps: int
     guidance_scale: float = 1.0
     true_cfg_scale: float = 1.0
-    noise_level: float = 0.7
-    sde_type: str = "sde"
+    noise_level: float = NOISE_LEVEL
+    sde_type: str = SDE_TYPE
     sde_window_size: int | None = None
     sde_window_range: tuple[int, int] | None = None
     max_sequence_length: int = 128
