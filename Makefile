@@ -28,7 +28,7 @@ run: install
 # which the other process uses. A module's tests share one process (tests/conftest.py). pytest's exit 5 (nothing
 # collected) fails either target.
 test: install
-	$(PYTHON) -m pytest -m "not bench" -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PYTHON) -m pytest -m "not bench" -n 2 --dist loadgroup
 
 # The tests that start no Ray cluster, Prefect server or subprocess (marker `light`, tests/conftest.py): a few
 # minutes alone, for a quick check while working.

@@ -62,26 +62,21 @@ def pytest_collection_modifyitems(config, items) -> None:
     session run of their own (`xdist_group` in the module: `mid_epoch_reference`, `separate_workers_run`) stay
     together so that run is made once.
 
-    The groups are then handed out longest first (`GROUP_SECONDS`, with `--no-loadscope-reorder`): each process takes
-    the next group when it is free, so the two end within about one short group of each other. (xdist's own order,
-    most tests first, left one process idle for the last 94 s of a 1,058 s run.)"""
+    xdist's own order (most tests first) is kept: handing the groups out longest first put the heaviest runs side
+    by side (each starts Ray workers and subprocesses on the same 2 cores) and made the suite longer on CI
+    (1,234 s against 1,003 s), though it left neither process idle at the end."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    group = {id(item): item.get_closest_marker("xdist_group").args[0] for item in items}
-    first = {}
-    for index, item in enumerate(items):
-        first.setdefault(group[id(item)], index)
-    items.sort(key=lambda item: (-GROUP_SECONDS.get(group[id(item)], 0), first[group[id(item)]]))
     for item in items:
         heavy = {item.module.__name__, f"{item.module.__name__}::{getattr(item, 'originalname', item.name)}"} & HEAVY_MODULES
         if not heavy and not set(getattr(item, "fixturenames", ())) & HEAVY_FIXTURES:
             item.add_marker(pytest.mark.light)
 
 
-# Seconds each xdist group takes in `make test` on 2 cores (its tests' setup, call and teardown; measured from a
-# `-v` run's report times, 2026-12-05). Only the order matters: refresh it when a group grows by a minute or more.
-GROUP_SECONDS = {
+# The groups that run flows, Ray clusters or Prefect servers, with the seconds each took in `make test` on 2 cores
+# (setup, call and teardown, from a `-v` run's report times, 2026-12-05): where to look first to trim the suite.
+HEAVY_GROUPS = {
     "test_concurrency_and_cancellation": 256,
     "separate_workers_run": 228,
     "test_deployments": 211,
@@ -118,7 +113,7 @@ GROUP_SECONDS = {
 # fails a light test that starts one anyway, so a test that grows heavy leaves the light set by its failure, not
 # by a reader's memory.
 HEAVY_FIXTURES = {"ray_cluster", "transfer_queue", "prefect_api", "chromium"}
-HEAVY_MODULES = {name for name in GROUP_SECONDS if name.startswith("test_")} | {
+HEAVY_MODULES = {name for name in HEAVY_GROUPS if name.startswith("test_")} | {
     "test_cli_runs",
     "test_checkpoint_faults",
     "test_process_faults",

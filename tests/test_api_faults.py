@@ -131,7 +131,7 @@ def _stop_at(point: str, sig: int, overrides: list[str], env: dict[str, str], ck
 
 
 class _ProcessTree:
-    """Every process a run has had (with its command line), read by a thread every 0.1 s from the run's start to
+    """Every process a run has had (with its latest command line), read by a thread every 0.1 s from the run's start to
     `stop()`: a scan of the tree after the stop point was reached took long enough on a busy machine for the run to
     end first (it has a few 0.2 s steps left). With `check_listening`, the thread also checks, once the run's
     cluster is up, that the processes the run started listen on loopback only (test_security's check, on this run);
@@ -149,9 +149,8 @@ class _ProcessTree:
     def _watch(self) -> None:
         while not self._done.wait(0.1):
             for p in _descendants(self.pid):
-                if p not in self.seen:
-                    with contextlib.suppress(psutil.Error):
-                        self.seen[p] = " ".join(p.cmdline())
+                with contextlib.suppress(psutil.Error):  # read again each time: a Ray worker starts as `ray::IDLE`
+                    self.seen[p] = " ".join(p.cmdline()) or self.seen.get(p, "")  # and takes its actor's name later
             if self.listening is not None and "RolloutWorker" in " ".join(self.seen.values()):
                 try:
                     assert_listens_on_loopback_only([psutil.Process(self.pid), *self.seen])

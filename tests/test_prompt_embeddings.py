@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 import uuid
 
 import pytest
@@ -130,13 +131,20 @@ def test_load_pipeline_without_text_encoders(tiny_sd3_dir, tiny_flux_dir, arch):
 
 
 # ----------------------------------------------------------------------------------- the Prefect task
-async def _task_states(flow_run_id) -> dict[str, str]:
+async def _task_states(flow_run_id, count: int, timeout_s: float = 120) -> dict[str, str]:
+    """The final state of each of the flow run's `count` task runs. The API records task runs from the events the
+    flow process sends, a moment after the flow returns (later on a busy machine): read until all are final."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout_s
     async with get_client() as client:
-        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r.state.name for r in runs}
+        while True:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            states = {r.name: r.state.name for r in runs if r.state is not None and r.state.is_final()}
+            if len(states) >= count or time.monotonic() > deadline:
+                return states
+            await asyncio.sleep(0.5)
 
 
 def test_task_is_cached_across_calls_and_remade_when_its_file_is_deleted(prefect_api, tiny_sd3_dir):
@@ -178,7 +186,7 @@ def test_task_is_cached_across_calls_and_remade_when_its_file_is_deleted(prefect
     state = calls(return_state=True)
     assert state.is_completed(), state.message
     paths = state.result()
-    states = asyncio.run(_task_states(state.state_details.flow_run_id))
+    states = asyncio.run(_task_states(state.state_details.flow_run_id, count=6))
     assert states == {
         "first": "Completed",
         "same": "Cached",
