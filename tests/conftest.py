@@ -121,6 +121,8 @@ HEAVY_MODULES = {name for name in HEAVY_GROUPS if name.startswith("test_")} | {
     "test_validation_groups",  # imports in a fresh interpreter, to see what validation pulls in
     "test_cluster_examples",
     "test_containers",
+    "test_gpu_smoke::test_without_cuda_exits_2_with_the_message",  # runs benchmarks/gpu_smoke.py in a subprocess
+    "test_gpu_smoke::test_cpu_check_runs_every_phase_and_writes_finite_json",
     "test_checkpoint::test_runlock_refuses_live_holder_and_takes_over_after_it_dies",
     "test_checkpoint::test_runlock_takes_over_lock_of_finished_pid",
     "test_prompt_embeddings::test_the_cache_key_of_a_cached_run_needs_no_diffusers",
