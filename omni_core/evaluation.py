@@ -26,9 +26,14 @@ from pathlib import Path
 
 import torch
 
-from omni_core.checkpoint.files import read_tensors
-from omni_core.checkpoint.layout import ACTOR_DIR, EMA_NAME
-from omni_core.checkpoint.trained import RefusedError, new_folder_next_to, open_trained_checkpoint, require_new_folder
+from omni_core.checkpoint.layout import EMA_NAME
+from omni_core.checkpoint.trained import (
+    RefusedError,
+    load_checkpoint_weights,
+    new_folder_next_to,
+    open_trained_checkpoint,
+    require_new_folder,
+)
 from omni_core.config import OmniFlowConfig
 from omni_core.config.schema import DataConfig
 from omni_core.data.prompts import PromptRecord, load_prompts
@@ -43,7 +48,6 @@ from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.validation import prepare_run_config
 
-MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors
 EVAL_TIMEOUT_S = 6 * 3600.0  # every wait is bounded (docs/design.md section 7)
 
 
@@ -90,16 +94,6 @@ def load_policy(config: OmniFlowConfig, checkpoint: str | Path | None) -> FlowPo
         load_checkpoint_weights(policy, checkpoint)
     policy.transformer.eval()
     return policy
-
-
-def load_checkpoint_weights(policy: FlowPolicy, checkpoint: str | Path, ema: bool = True) -> str:
-    """Load a training checkpoint's weights into `policy`: `actor/ema.safetensors` when the run kept an EMA, else
-    `actor/model.safetensors` (the files TrainingActor.save writes: full state, or the LoRA adapter). `ema=False`
-    loads the trained weights even where an EMA was kept. Returns the name loaded (`"ema"` or `"model"`)."""
-    actor = Path(checkpoint) / ACTOR_DIR
-    name = EMA_NAME if ema and (actor / f"{EMA_NAME}.safetensors").is_file() else MODEL_NAME
-    policy.load_trainable_state(read_tensors(actor, name))
-    return name
 
 
 def evaluate_policy(

@@ -12,7 +12,7 @@ Weights: the EMA when the run kept one (what its validation sampled with), unles
 checkpoint without one is refused. The checkpoint's `actor/hf` already holds those weights in diffusers format
 (`TrainingActor.save`), so the usual export is a verified copy through `omni_core.export.export_checkpoint`.
 Otherwise (the trained weights of an EMA run, or `merged`) the weights are loaded into a `FlowPolicy` of the saved
-config (`omni_core.evaluation.load_checkpoint_weights`), written with `FlowPolicy.save_pretrained` (or the merged
+config (`omni_core.checkpoint.trained.load_checkpoint_weights`), written with `FlowPolicy.save_pretrained` (or the merged
 transformer's `save_pretrained`) as a staged `actor/hf`, and copied the same way. `export_info.json` in the output
 says what was written. Nothing existing is ever overwritten: the output folder must be new or empty.
 """
@@ -26,7 +26,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from omni_core.checkpoint.layout import ACTOR_DIR
-from omni_core.checkpoint.trained import RefusedError, TrainedCheckpoint, open_trained_checkpoint, require_new_folder
+from omni_core.checkpoint.trained import (
+    RefusedError,
+    TrainedCheckpoint,
+    load_checkpoint_weights,
+    open_trained_checkpoint,
+    require_new_folder,
+)
 from omni_core.config import ConfigError, OmniFlowConfig, load_config, with_updates
 from omni_core.export import HF_DIR, INFO_FILE, ExportInfo, export_checkpoint
 from omni_core.models.loader import check_pipeline_folder
@@ -135,7 +141,6 @@ def _copy(base: Path, source: Path, out: Path, out_dir: str | Path) -> ExportInf
 def _write_hf(config: OmniFlowConfig, ckpt: TrainedCheckpoint, weights: str, merge: bool, hf_dir: Path) -> None:
     """The chosen weights in diffusers format in `hf_dir`: the transformer (full, or LoRA merged into it) or the
     adapter file, as `TrainingActor.save` writes `actor/hf`."""
-    from omni_core.evaluation import load_checkpoint_weights
     from omni_core.models.placement import torch_dtype
     from omni_core.models.policy import FlowPolicy
 

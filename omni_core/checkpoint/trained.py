@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_core.checkpoint.files import read_tensors
 from omni_core.checkpoint.layout import ACTOR_DIR, CONFIG_FILE, EMA_NAME, CheckpointError, complete_steps, is_complete, parse_step
 from omni_core.checkpoint.resume import find_latest
 from omni_core.checkpoint.writer import verify_checkpoint
 from omni_core.export import HF_DIR
 from omni_core.models.lora import LORA_WEIGHT_NAME
+from omni_core.models.policy import FlowPolicy
 
 MODEL_NAME = "model"  # <checkpoint>/actor/model.safetensors: the trained weights (TrainingActor.save)
 
@@ -129,3 +131,13 @@ def new_folder_next_to(path: Path, name: str) -> Path:
         n += 1
         candidate = path.parent / f"{name}-{n}"
     return candidate
+
+
+def load_checkpoint_weights(policy: FlowPolicy, checkpoint: str | Path, ema: bool = True) -> str:
+    """Load a training checkpoint's weights into `policy`: `actor/ema.safetensors` when the run kept an EMA, else
+    `actor/model.safetensors` (the files TrainingActor.save writes: full state, or the LoRA adapter). `ema=False`
+    loads the trained weights even where an EMA was kept. Returns the name loaded (`"ema"` or `"model"`)."""
+    actor = Path(checkpoint) / ACTOR_DIR
+    name = EMA_NAME if ema and (actor / f"{EMA_NAME}.safetensors").is_file() else MODEL_NAME
+    policy.load_trainable_state(read_tensors(actor, name))
+    return name
