@@ -31,11 +31,11 @@ from omniflow.tasks.publish_reports import publish_card
 from omniflow.tasks.validate_config import validate_config
 from pydantic import BaseModel, Field
 
-from omni_core.procedural.data import CaptionBias, DataDesign, LabelNoise
-from omni_core.procedural.report import guard_drop, headline, report_markdown
-from omni_core.procedural.stages import reward_curve, rl_overrides
-from omni_core.procedural.supervised import SupervisedSettings
 from omni_core.ray_cluster import connect_ray
+from omni_core.recipes.procedural_geneval.data import CaptionBias, DataDesign, LabelNoise
+from omni_core.recipes.procedural_geneval.report import guard_drop, headline, report_markdown
+from omni_core.recipes.procedural_geneval.stages import reward_curve, rl_config_file, rl_overrides
+from omni_core.recipes.procedural_geneval.supervised import SupervisedSettings
 from omni_core.reports.cards import Card
 from omni_core.reports.plots import save_reward_curve
 
@@ -122,7 +122,7 @@ def procedural_geneval(
         pretrain_eval_every_steps: Steps between the pre-training's evaluations.
         pretrain_patience: Evaluations without improvement (by 1 point of mean accuracy) that make the plateau.
         rl_steps: Flow-GRPO steps (8 prompts x 8 samples each); the control gets the RL stage's wall time.
-        rl_overrides_extra: `key.path=value` overrides of the Flow-GRPO run on top of the benchmark's settings.
+        rl_overrides_extra: `key.path=value` overrides of the Flow-GRPO run on top of the recipe's (its `rl.yaml`).
         eval_samples_per_prompt: Samples per scene in each evaluation (all 120 scenes, fixed seeds).
     """
     design = design_from(seed, position_bias, colour_bias, label_noise, n_held_out, renders_per_combination, colour_bias_when)
@@ -141,11 +141,14 @@ def procedural_geneval(
     clock = time.monotonic()
     data = build_procedural_data(str(root), design, seed)
     seconds["data"] = time.monotonic() - clock
-    rl_args = [*rl_overrides(data, data.init_model, run_dir / "rl", rl_steps), f"actor_rollout_ref.rollout.seed={seed}"]
-    rl_args += list(rl_overrides_extra)
+    rl_files = [rl_config_file()]
+
+    def rl_args(model_dir: str) -> list[str]:
+        return [*rl_overrides(data, model_dir, run_dir / "rl", rl_steps, seed), *rl_overrides_extra]
+
     # Bad RL overrides fail here, before any training: the main flow's own checks, against the random model (the
     # base replaces it once trained).
-    cfg = validate_config(None, rl_args, [])
+    cfg = validate_config(None, rl_args(data.init_model), rl_files)
     owns_ray = connect_ray(cfg)
     try:
         clock = time.monotonic()
@@ -160,8 +163,7 @@ def procedural_geneval(
         seconds["evaluate_base"] = time.monotonic() - clock
 
         clock = time.monotonic()
-        rl_args[0] = f"actor_rollout_ref.model.path={base.model_dir}"
-        train = main_diffusion_v1(overrides=rl_args)
+        train = main_diffusion_v1(overrides=rl_args(base.model_dir), config_files=rl_files)
         seconds["rl"] = round(time.monotonic() - clock, 2)  # the control's budget, as reported
 
         clock = time.monotonic()

@@ -1,5 +1,5 @@
 """The procedural benchmark's tasks (`flows/procedural_geneval.py`): build its data, pre-train the base to its
-plateau, run the supervised control, evaluate a model. The heavy ones run as Ray tasks (`omni_core.procedural.stages`)
+plateau, run the supervised control, evaluate a model. The heavy ones run as Ray tasks (`omni_core.recipes.procedural_geneval.stages`)
 on the cluster the flow connected; each prints one line a newcomer can follow."""
 
 from __future__ import annotations
@@ -7,9 +7,15 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from omni_core.procedural.data import DataDesign
-from omni_core.procedural.stages import ProceduralData, control_on_ray, evaluate_on_ray, prepare_data, pretrain_on_ray
-from omni_core.procedural.supervised import SupervisedResult, SupervisedSettings
+from omni_core.recipes.procedural_geneval.data import DataDesign
+from omni_core.recipes.procedural_geneval.stages import (
+    ProceduralData,
+    control_on_ray,
+    evaluate_on_ray,
+    prepare_data,
+    pretrain_on_ray,
+)
+from omni_core.recipes.procedural_geneval.supervised import SupervisedResult, SupervisedSettings
 
 RAY_OPTIONS = {"num_cpus": 1}
 

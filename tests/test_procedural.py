@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_core.procedural.scenes import Scene, all_scenes, held_out_split, parse_prompt, render
-from omni_core.procedural.verifier import read_scene, verify
+from omni_core.recipes.procedural_geneval.scenes import Scene, all_scenes, held_out_split, parse_prompt, render
+from omni_core.recipes.procedural_geneval.verifier import read_scene, verify
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_the_verifier_fails_noise_blank_and_wrong_attributes():
 
 # ----------------------------------------------------------------------------- biases, reward, pixel-space model
 def test_a_caption_bias_redraws_its_share_of_the_matching_images_only():
-    from omni_core.procedural.data import CaptionBias, DataDesign, LabelNoise, build_training_set
+    from omni_core.recipes.procedural_geneval.data import CaptionBias, DataDesign, LabelNoise, build_training_set
 
     left = CaptionBias("position", "left", "center", 0.7)
     blue_square = CaptionBias("colour", "blue", "red", 0.5, when=(("shape", "square"),))
@@ -92,7 +92,7 @@ def test_the_builtin_procedural_reward_scores_renders_from_the_ground_truth(tmp_
     import json
 
     from omni_core.data.prompts import load_prompts
-    from omni_core.procedural.data import write_prompt_file
+    from omni_core.recipes.procedural_geneval.data import write_prompt_file
     from omni_core.rewards.manager import RewardManager
 
     scene = Scene("green", "circle", "bottom", "black")
@@ -121,7 +121,7 @@ def test_the_pixel_space_pipeline_loads_as_sd3_and_decodes_exactly(tmp_path):
     from omni_core.models.arch import PixelSD3Adapter
     from omni_core.models.loader import load_pipeline
     from omni_core.models.policy import FlowPolicy
-    from omni_core.procedural.model import build_procedural_pipeline, build_scene_tokenizer
+    from omni_core.recipes.procedural_geneval.model import build_procedural_pipeline, build_scene_tokenizer
 
     tokenizer = build_scene_tokenizer()
     for scene in all_scenes()[::7]:
@@ -170,7 +170,7 @@ def _documented_results_table() -> list[list[str]]:
 
 
 def _pct(value: float) -> str:
-    return f"{100 * value:.1f}%"  # as the benchmark's report writes a share (omni_core.procedural.report)
+    return f"{100 * value:.1f}%"  # as the benchmark's report writes a share (omni_core.recipes.procedural_geneval.report)
 
 
 def test_the_documented_results_table_equals_the_stored_benchmark_json():

@@ -116,8 +116,8 @@ def test_the_run_shows_in_prefect_as_nested_subflows_with_a_report(short_run):
 
 
 def test_a_finished_base_is_reused_and_never_overwritten(short_run):
-    from omni_core.procedural.data import DataDesign
-    from omni_core.procedural.supervised import SupervisedSettings, pretrain_to_plateau
+    from omni_core.recipes.procedural_geneval.data import DataDesign
+    from omni_core.recipes.procedural_geneval.supervised import SupervisedSettings, pretrain_to_plateau
 
     _, result, _ = short_run
     base = Path(result.base_dir)
@@ -144,8 +144,8 @@ def test_the_report_shows_the_trained_model_not_the_base_as_rl(short_run, tmp_pa
     import torch
     from omniflow.flows.procedural_geneval import design_from
 
-    from omni_core.procedural.report import headline
-    from omni_core.procedural.stages import evaluate_model
+    from omni_core.recipes.procedural_geneval.report import headline
+    from omni_core.recipes.procedural_geneval.stages import evaluate_model
 
     _, result, _ = short_run
     eval_dir = Path(result.run_dir) / "eval"

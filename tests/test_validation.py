@@ -34,7 +34,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["ray_kwargs.ray_init.namespace=x"], "ray_kwargs.ray_init.namespace", "accepts address, num_cpus, num_gpus"),
     (
         ["reward.reward_functions={ocr: {name: jpeg_compressibility, lang: 'en'}}"],
-        "reward.reward_functions.ocr.lang",
+        "reward.reward_functions[0].lang",  # validation reports entries (by position), not the loader
         "keyword arguments",
     ),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM"),
@@ -410,3 +410,34 @@ def test_a_strategy_the_installed_torch_cannot_run_on_the_device_is_refused():
         assert f"torch {torch.__version__} has no nccl backend" in problem.message
         assert f"strategy={strategy} uses on trainer.device=cuda" in problem.message
     assert distributed_problems(load_config(), "cuda") == []  # one rank, strategy=torch: no process group
+
+
+def test_a_refused_reward_entry_key_is_reported_once_by_validation(model):
+    """The loader leaves reward entries to validation: one problem per refused key, with the reason and the fix."""
+    from omni_core.validation import prepare_run_config
+
+    with pytest.raises(ConfigError) as err:
+        prepare_run_config(None, [model, "reward.reward_functions=[{name: jpeg_compressibility, required: true, wieght: 2}]"])
+    assert err.value.keys == ["reward.reward_functions[0].required", "reward.reward_functions[0].wieght"]
+    required, typo = err.value.problems
+    assert "not supported by OmniFlow: OmniFlow never turns a failed reward into a score" in required.message
+    assert "set reward.max_failure_ratio" in required.message
+    assert typo.message.startswith("not supported by OmniFlow: unknown key; a built-in reward entry ('jpeg_compressibility')")
+    assert "takes name, weight" in typo.message and "keyword arguments" in typo.message
+
+
+def test_a_mode_a_user_registers_validates(model, monkeypatch):
+    """Validation reads the mode names from the config layer, where the trainer registry records each it registers."""
+    from omni_core.config import trainer_modes
+    from omni_core.trainers import registry
+
+    monkeypatch.setattr(registry, "DIFFUSION_TRAINER_REGISTRY", dict(registry.DIFFUSION_TRAINER_REGISTRY))
+    monkeypatch.setattr(trainer_modes, "_ADDED", set(trainer_modes._ADDED))
+    config = load_config(overrides=[model, "trainer.v1.trainer_mode=my_mode"])
+    assert "trainer.v1.trainer_mode" in {p.key for p in config_problems(config, CPU_ONLY)}
+
+    @register_diffusion_trainer("my_mode")
+    class MyMode:
+        pass
+
+    assert "trainer.v1.trainer_mode" not in {p.key for p in config_problems(config, CPU_ONLY)}

@@ -266,19 +266,38 @@ def test_prepare_run_config_reports_key_type_and_cross_field_problems_in_one_err
 def test_light_name_lists_equal_the_registries():
     from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
     from omni_core.algorithms.registry import ADV_ESTIMATORS, LOSS_MODES
+    from omni_core.config.trainer_modes import trainer_mode_names
     from omni_core.rewards.names import BUILTIN_REWARD_NAMES
+    from omni_core.rewards.plugins import declared_rewards
     from omni_core.rewards.registry import REWARD_FUNCTIONS
     from omni_core.trainers.registry import BUILTIN_MODES, DIFFUSION_TRAINER_REGISTRY, get_diffusion_trainer_cls
 
     assert set(ADV_ESTIMATORS) == set(ADV_ESTIMATOR_NAMES) == {"flow_grpo", "dance_grpo"}
     assert set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo"}
-    assert (
-        set(REWARD_FUNCTIONS)
-        == set(BUILTIN_REWARD_NAMES)
-        == {"jpeg_compressibility", "jpeg_incompressibility", "procedural_geneval"}
-    )
+    assert set(REWARD_FUNCTIONS) == set(BUILTIN_REWARD_NAMES) == {"jpeg_compressibility", "jpeg_incompressibility"}
+    # The recipe's reward is declared by the installed package, not built in.
+    assert declared_rewards()["procedural_geneval"] == "omni_core.recipes.procedural_geneval.verifier"
     get_diffusion_trainer_cls("sync")  # registers the built-in modes
     assert set(BUILTIN_MODES) <= set(DIFFUSION_TRAINER_REGISTRY) and set(BUILTIN_MODES) == {"sync", "separate_async"}
+    assert set(trainer_mode_names()) == set(DIFFUSION_TRAINER_REGISTRY)  # what validation reads, one layer down
+
+
+def test_a_recipe_reward_validates_without_the_recipe_and_resolves_by_name_in_a_fresh_process(tiny_sd3_dir):
+    """A process that only meets the name (a Ray rollout worker scoring a procedural prompt file) finds the recipe's
+    reward through the installed entry point; validation accepts the name without importing the recipe."""
+    result = _fresh_interpreter(
+        f"""
+        import json, sys
+        from omni_core.validation import prepare_run_config
+        prepare_run_config(None, ["reward.reward_functions=[procedural_geneval]",
+                                  "actor_rollout_ref.model.path={tiny_sd3_dir}"])
+        validated_without = "omni_core.recipes.procedural_geneval" not in sys.modules
+        from omni_core.rewards.registry import get_reward_function
+        fn = get_reward_function("procedural_geneval")
+        print(json.dumps({{"validated_without": validated_without, "fn": f"{{fn.__module__}}.{{fn.__name__}}"}}))
+        """
+    )
+    assert result == {"validated_without": True, "fn": "omni_core.recipes.procedural_geneval.verifier.verifier_reward"}
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,6 @@ from omni_core.config.defaults_file import flatten
 from omni_core.config.errors import ConfigError, ConfigProblem
 from omni_core.config.schema import OmniFlowConfig, RewardFunctionSpec
 from omni_core.config.unsupported import UNKNOWN_IN_SECTION, UNSUPPORTED_VALUES, reward_model_refusal, unsupported_key_reason
-from omni_core.rewards.entries import refused_entry_keys
 
 _INT = re.compile(r"^[-+]?\d+$")
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$", re.IGNORECASE)
@@ -139,10 +138,6 @@ def config_keys(cls: type[BaseModel]) -> dict[str, Any]:
     return {info.alias or name: info for name, info in cls.model_fields.items()}
 
 
-# verl-omni's extra entry keys (keyword arguments of compute_score) have no OmniFlow counterpart.
-_REWARD_ENTRY_EXTRA = "verl-omni's extra entry keys (passed to compute_score as keyword arguments) are not supported: put the value in your reward file and remove this key"
-
-
 def _all_paths(cls: type[BaseModel] = OmniFlowConfig, prefix: str = "") -> list[str]:
     paths = []
     for name, info in config_keys(cls).items():
@@ -189,8 +184,7 @@ def check_keys(data: Mapping[str, Any], cls: type[BaseModel] = OmniFlowConfig, p
                 problems.append(ConfigProblem(path, _suggest(path, fields)))
             continue
         if path == "reward.reward_functions":
-            problems.extend(_reward_entry_problems(value))
-            continue
+            continue  # each entry's keys, by its kind: validation (omni_core.validation.reward_terms), once
         ann = fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel) and ann is not RewardFunctionSpec:
             if isinstance(value, Mapping):
@@ -202,27 +196,6 @@ def check_keys(data: Mapping[str, Any], cls: type[BaseModel] = OmniFlowConfig, p
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, str) and item in bad_values:
                 problems.append(ConfigProblem(path, f"not supported by OmniFlow: {bad_values[item]}", value))
-    return problems
-
-
-def _reward_entry_problems(value: Any) -> list[ConfigProblem]:
-    """Keys of reward.reward_functions entries that OmniFlow has no use for (named as the user wrote them)."""
-    if isinstance(value, Mapping):
-        entries = [(str(label), entry) for label, entry in value.items()]
-    elif isinstance(value, (list, tuple)):
-        entries = [(str(i), entry) for i, entry in enumerate(value)]
-    else:
-        return []
-    problems = []
-    for label, entry in entries:
-        if isinstance(entry, Mapping):
-            # Keys by the entry's kind (omni_core.rewards.entries); a key at its default changes nothing (a dumped config
-            # carries every field). verl-omni's mapping form names the function `name`.
-            fields = RewardFunctionSpec.model_fields
-            given = {k: v for k, v in entry.items() if k not in fields or v != fields[k].get_default(call_default_factory=True)}
-            for k, why in refused_entry_keys(given).items():
-                why = f"{why}; {_REWARD_ENTRY_EXTRA}" if why.startswith("unknown key") else why
-                problems.append(ConfigProblem(f"reward.reward_functions.{label}.{k}", f"not supported by OmniFlow: {why}"))
     return problems
 
 

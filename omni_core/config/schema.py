@@ -316,7 +316,12 @@ class CustomRewardFunctionConfig(ConfigModel):
 class RewardFunctionSpec(ConfigModel):
     """One entry of reward.reward_functions, with a weight: a built-in `name`; a `path` + `function`; a model reward
     (`name: pickscore | clip_score | aesthetic` + `model_path`); or a reward server (`server_url`). Which keys each
-    kind takes: `omni_core.rewards.entries`."""
+    kind takes: `omni_core.rewards.entries`.
+
+    Keys outside these fields are kept (not refused here) so that validation reports each with the keys its entry's
+    kind takes (`omni_core.validation.reward_terms`), once; the reward manager refuses them too."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, validate_default=True)
 
     name: str | None = Field(
         None, description="Built-in or model reward name (jpeg_compressibility, pickscore, ...), else the term's label."

@@ -158,8 +158,8 @@ class SD3Adapter(ArchAdapter):
 
 class PixelSD3Adapter(SD3Adapter):
     """A StableDiffusion3Pipeline saved without a VAE whose transformer denoises RGB pixels (``in_channels`` 3), e.g.
-    the procedural benchmark's model (``omni_core.procedural.model``): latents are images in [-1, 1] (scale factor 1)
-    and decoding maps them to uint8 exactly as the VAE image processor's postprocess would."""
+    the model of the procedural GenEval recipe: latents are images in [-1, 1] (scale factor 1) and decoding maps them
+    to uint8 exactly as the VAE image processor's postprocess would."""
 
     @property
     def vae_scale_factor(self) -> int:

@@ -11,8 +11,9 @@ Five kinds, told apart by the keys an entry gives (first match wins):
   builtin    `name` one of BUILTIN_REWARD_NAMES
 
 A key the entry's kind does not take is refused with the keys it does take, so a typo or a key of another kind
-never passes silently. The loader applies this to the keys a user wrote; validation and the reward manager apply
-it to a loaded entry's non-default values (a dumped and reloaded config carries every field).
+never passes silently. Validation applies this to a loaded entry's non-default values and unknown keys (a dumped
+and reloaded config carries every field; the schema keeps unknown keys for this), and the reward manager to the
+entries it is built from (a library user may skip validation).
 """
 
 from __future__ import annotations
@@ -119,4 +120,5 @@ def given_entry_keys(entry: Any) -> dict[str, Any]:
         value = getattr(entry, key)
         if value != info.get_default(call_default_factory=True):
             given[key] = value
+    given.update(getattr(entry, "model_extra", None) or {})  # keys the schema kept without a field (all refused)
     return given

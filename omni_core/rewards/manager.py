@@ -14,8 +14,8 @@ three modes, first match wins:
 2. ``reward.custom_reward_function.path`` set -> that file's ``custom_reward_function.name``
    (default ``compute_score``), verl-omni's contract
    ``compute_score(data_source, solution_image, ground_truth, extra_info) -> float | {"score": ...}``.
-3. Otherwise -> each sample's ``data_source`` names the built-in reward to use
-   (verl-omni's ``default_compute_score``); a data source without a built-in is a config error,
+3. Otherwise -> each sample's ``data_source`` names the reward to use, a built-in or one a recipe added
+   (``plugins``; verl-omni's ``default_compute_score``); a data source without a reward is an error,
    raised before any scoring.
 
 A reward that raises, returns NaN / inf, or returns something that is not a number marks only that
@@ -52,7 +52,8 @@ from omni_core.rewards.deadline import DeadlineRunner, RewardTimeout
 from omni_core.rewards.entries import entry_kind, given_entry_keys, refused_entry_keys
 from omni_core.rewards.failures import RewardFailureError
 from omni_core.rewards.names import MODEL_REWARD_NAMES
-from omni_core.rewards.registry import REWARD_FUNCTIONS, get_reward_function
+from omni_core.rewards.plugins import find_reward
+from omni_core.rewards.registry import REWARD_FUNCTIONS, get_reward_function, reward_choices
 from omni_core.rewards.terms import BatchRewardTerm, RewardBatch, RewardTerm, SampleFailure
 
 __all__ = ["BatchRewardTerm", "RewardFailureError", "RewardManager", "RewardResult", "RewardTerm"]
@@ -131,7 +132,7 @@ def _term_from_entry(entry: Any, position: int, device: str | None) -> Term:
         return RewardTerm(label=spec.name or f"{Path(spec.path).stem}.{spec.function}", fn=fn, weight=spec.weight)
     if not spec.name:
         raise ValueError(
-            f"{where} needs 'name' (a built-in: {sorted(REWARD_FUNCTIONS)}; a model reward: {list(MODEL_REWARD_NAMES)} "
+            f"{where} needs 'name' ({reward_choices()}; a model reward: {list(MODEL_REWARD_NAMES)} "
             "with model_path), 'path' (a reward file) or 'server_url' (a reward server)"
         )
     return _builtin_term(spec.name, spec.weight)
@@ -214,12 +215,11 @@ class RewardManager:
             )
         per_sample: list[list[Term]] = [self.terms] * n
         if not self.terms:
-            unknown = sorted(set(sources) - set(REWARD_FUNCTIONS))
+            unknown = sorted(src for src in set(sources) if src not in REWARD_FUNCTIONS and find_reward(src) is None)
             if unknown:
                 raise ValueError(
-                    f"no built-in reward for data_source {unknown}; built-ins are "
-                    f"{sorted(REWARD_FUNCTIONS)}. Set reward.custom_reward_function.path or "
-                    "reward.reward_functions to score other data sources"
+                    f"no built-in reward for data_source {unknown}; {reward_choices()}. Set reward.custom_reward_function.path "
+                    "or reward.reward_functions to score other data sources"
                 )
             by_source = {src: _builtin_term(src) for src in dict.fromkeys(sources)}
             per_sample = [[by_source[src]] for src in sources]

@@ -1,11 +1,12 @@
 """The reward names users type, known without importing the reward code (torch, PIL, transformers).
 
 `BUILTIN_REWARD_NAMES`: rewards that need no weights; `omni_core.rewards.registry.REWARD_FUNCTIONS` has exactly
-these keys (a test holds the two equal). `MODEL_REWARD_NAMES`: rewards computed by a model loaded from a local
+these keys (a test holds the two equal). Rewards added from outside the core (a recipe's) are not here:
+`omni_core.rewards.plugins` knows their names. `MODEL_REWARD_NAMES`: rewards computed by a model loaded from a local
 folder (`omni_core.rewards.model_rewards`). Validation reads them from here so that `omniflow validate` stays light.
 """
 
-BUILTIN_REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "procedural_geneval")
+BUILTIN_REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility")
 
 # Model rewards (transformers CLIP models loaded with from_pretrained(model_path)).
 MODEL_REWARD_NAMES = ("pickscore", "clip_score", "aesthetic")

@@ -1,7 +1,9 @@
-"""Built-in reward functions keyed by the names users type, and verl-omni's default scorer.
+"""Reward functions keyed by the names users type, and verl-omni's default scorer.
 
-Each built-in takes ``(image, ground_truth)``: the JPEG rewards read only the image; ``procedural_geneval`` (the
-rule-based verifier of ``omni_core.procedural``) reads the scene its row's ``reward_model.ground_truth`` names.
+Each takes ``(image, ground_truth)``. The built-ins (the JPEG rewards, which read only the image) are in
+``REWARD_FUNCTIONS``; a name that is not one of them resolves to a reward added from outside the core (a recipe's,
+e.g. the procedural GenEval verifier ``procedural_geneval``, which reads the scene its row's
+``reward_model.ground_truth`` names): ``omni_core.rewards.plugins``.
 
 ``default_compute_score(data_source, solution_image, ground_truth, extra_info)`` dispatches on the
 sample's ``data_source`` (the dataset's ``data.reward_fn_key`` column), as verl-omni's
@@ -15,34 +17,37 @@ from typing import Any
 
 from omni_core.rewards.builtin import jpeg_compressibility, jpeg_incompressibility
 from omni_core.rewards.names import MODEL_REWARD_NAMES
+from omni_core.rewards.plugins import added_reward_names, find_reward
 
-__all__ = ["REWARD_FUNCTIONS", "default_compute_score", "get_reward_function"]
-
-
-def _procedural_geneval(image: Any, ground_truth: Any) -> dict[str, float]:
-    from omni_core.procedural.verifier import verifier_reward  # the verifier only where it is used
-
-    return verifier_reward(image, ground_truth)
+__all__ = ["REWARD_FUNCTIONS", "default_compute_score", "get_reward_function", "reward_choices"]
 
 
 # Each takes one image (uint8 HWC numpy / CHW tensor / PIL) and its ground truth; returns a float or {"score", ...}.
 REWARD_FUNCTIONS: dict[str, Callable[[Any, Any], Any]] = {
     "jpeg_compressibility": lambda image, ground_truth=None: jpeg_compressibility(image),
     "jpeg_incompressibility": lambda image, ground_truth=None: jpeg_incompressibility(image),
-    "procedural_geneval": _procedural_geneval,
 }
 
 
+def reward_choices() -> str:
+    """The reward names this process can resolve, as errors list them: built-ins, then added ones with their module."""
+    added = ", ".join(f"{name} ({owner})" for name, owner in sorted(added_reward_names().items())) or "none"
+    return f"built-in rewards are {sorted(REWARD_FUNCTIONS)}, rewards added by recipes or packages: {added}"
+
+
 def get_reward_function(name: str) -> Callable[[Any, Any], Any]:
-    """The built-in reward registered as ``name``; unknown names list the choices."""
-    try:
+    """The built-in or added reward named ``name``; unknown names list the choices."""
+    if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown reward {name!r}; built-in rewards are {sorted(REWARD_FUNCTIONS)}, model rewards "
-            f"{list(MODEL_REWARD_NAMES)} (with model_path); or give a reward server (server_url) or your own "
-            "compute_score file (path, or reward.custom_reward_function.path)"
-        ) from None
+    added = find_reward(name)
+    if added is not None:
+        return added
+    raise ValueError(
+        f"unknown reward {name!r}; {reward_choices()}; model rewards {list(MODEL_REWARD_NAMES)} (with model_path); "
+        "or give a reward server (server_url) or your own compute_score file (path, or reward.custom_reward_function.path). "
+        "A recipe's reward is found through the installed package's `omni_core.rewards` entry points: reinstall "
+        "OmniFlow (pip install -e .) if one is missing"
+    )
 
 
 def default_compute_score(
@@ -51,5 +56,5 @@ def default_compute_score(
     ground_truth: Any = None,
     extra_info: dict[str, Any] | None = None,
 ) -> Any:
-    """Score one image with the built-in reward named by its ``data_source``."""
+    """Score one image with the reward (built-in or added) named by its ``data_source``."""
     return get_reward_function(data_source)(solution_image, ground_truth)

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from omni_core.config.trainer_modes import BUILTIN_TRAINER_MODES, add_trainer_mode
+
 T = TypeVar("T", bound=type)
 
 DIFFUSION_TRAINER_REGISTRY: dict[str, type] = {}
 
 # The modes `omni_core.trainers.modes` registers, known without importing it (it pulls in Ray and
-# diffusers), so that `validate_config` stays fast and light.
-BUILTIN_MODES = ("separate_async", "sync")
+# diffusers), so that `validate_config` stays fast and light: the names live in the config layer.
+BUILTIN_MODES = BUILTIN_TRAINER_MODES
 
 
 def register_diffusion_trainer(name: str) -> Callable[[T], T]:
@@ -25,6 +27,7 @@ def register_diffusion_trainer(name: str) -> Callable[[T], T]:
         if name in DIFFUSION_TRAINER_REGISTRY and DIFFUSION_TRAINER_REGISTRY[name] is not cls:
             raise ValueError(f"trainer mode {name!r} is already registered by {DIFFUSION_TRAINER_REGISTRY[name].__name__}")
         DIFFUSION_TRAINER_REGISTRY[name] = cls
+        add_trainer_mode(name)  # validation reads the names there
         return cls
 
     return decorate

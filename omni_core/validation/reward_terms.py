@@ -1,8 +1,10 @@
-"""Reward entries that are not files: built-in names, model rewards (local folders) and reward servers (URLs).
+"""Reward entries that are not files: built-in and added names, model rewards (local folders) and reward servers (URLs).
 
 Checked before anything starts, without loading a model or calling a server: the entry's keys fit its kind
-(`omni_core.rewards.entries`), a model reward's folder holds a model, an aesthetic head file exists, a server URL is
-http(s) with a host. And `reward.reward_model.enable` stays false (verl-omni's vLLM-served judge).
+(`omni_core.rewards.entries`; the one place a config's entries are checked, the loader leaves them to this), a
+name is a built-in or a reward a recipe or package adds (`omni_core.rewards.plugins`, read without importing it), a
+model reward's folder holds a model, an aesthetic head file exists, a server URL is http(s) with a host. And
+`reward.reward_model.enable` stays false (verl-omni's vLLM-served judge).
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.unsupported import REWARD_MODEL_REASON
 from omni_core.rewards.entries import display_url, entry_kind, given_entry_keys, refused_entry_keys
 from omni_core.rewards.names import BUILTIN_REWARD_NAMES, MODEL_REWARD_NAMES
+from omni_core.rewards.plugins import added_reward_names
 
 HEAD_SUFFIXES = (".safetensors", ".pth", ".pt")
+
+# verl-omni passes an entry's other keys to compute_score as keyword arguments; OmniFlow has no such channel.
+EXTRA_ENTRY_KEYS = (
+    "verl-omni's extra entry keys (passed to compute_score as keyword arguments) are not supported: put the value in "
+    "your reward file and remove this key"
+)
 
 
 def reward_model_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
@@ -30,7 +39,14 @@ def entry_problems(key: str, spec: object) -> list[ConfigProblem]:
     given = given_entry_keys(spec)
     refused = refused_entry_keys(given)
     if refused:
-        return [ConfigProblem(f"{key}.{k}", f"not supported here: {why}", given[k]) for k, why in sorted(refused.items())]
+        return [
+            ConfigProblem(
+                f"{key}.{k}",
+                f"not supported by OmniFlow: {why}" + (f"; {EXTRA_ENTRY_KEYS}" if why.startswith("unknown key") else ""),
+                given[k],
+            )
+            for k, why in sorted(refused.items())
+        ]
     kind = entry_kind(given)
     if kind == "file":
         return []  # the file itself: `rewards.reward_problems`
@@ -39,26 +55,34 @@ def entry_problems(key: str, spec: object) -> list[ConfigProblem]:
     if kind == "model":
         return _model_problems(key, spec)
     name = getattr(spec, "name", None)
+    added = added_reward_names()
     if not name:
         return [
             ConfigProblem(
                 key,
                 f"needs a name (a built-in: {', '.join(BUILTIN_REWARD_NAMES)}; a model reward: {', '.join(MODEL_REWARD_NAMES)} "
-                "with model_path), a path (a reward file) or a server_url (a reward server)",
+                f"with model_path{_added_text(added)}), a path (a reward file) or a server_url (a reward server)",
                 None,
             )
         ]
-    if name not in BUILTIN_REWARD_NAMES:
+    if name not in BUILTIN_REWARD_NAMES and name not in added:
         return [
             ConfigProblem(
                 f"{key}.name",
                 f"no built-in reward of that name; built-ins: {', '.join(BUILTIN_REWARD_NAMES)}; model rewards: "
-                f"{', '.join(MODEL_REWARD_NAMES)} (with model_path); or give a path to your own compute_score file, "
-                "or a server_url",
+                f"{', '.join(MODEL_REWARD_NAMES)} (with model_path){_added_text(added)}; or give a path to your own "
+                "compute_score file, or a server_url",
                 name,
             )
         ]
     return []
+
+
+def _added_text(added: dict[str, str]) -> str:
+    """The rewards recipes or packages add, as the errors above list them (nothing when there are none)."""
+    if not added:
+        return ""
+    return "; added by recipes or packages: " + ", ".join(f"{n} ({owner})" for n, owner in sorted(added.items()))
 
 
 def _server_problems(key: str, spec: object) -> list[ConfigProblem]:

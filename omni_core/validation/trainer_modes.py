@@ -1,11 +1,12 @@
-"""Trainer modes: a registered `trainer.v1.trainer_mode`, and each mode's requirements (including which mode the
+"""Trainer modes: a registered `trainer.v1.trainer_mode` (names from `omni_core.config.trainer_modes`, never the
+trainers themselves, a layer above), and each mode's requirements (including which mode the
 sampler's group refill, `trainer.v1.sampler.drop_incomplete_groups`, runs in and the keys it conflicts with)."""
 
 from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
+from omni_core.config.trainer_modes import trainer_mode_names
 from omni_core.config.unsupported import REFUSED_WHEN_NOT_DEFAULT
-from omni_core.trainers.registry import registered_modes
 
 # What only separate_async reads: set in sync mode they would be accepted and ignored.
 ASYNC_ONLY_KEYS = (
@@ -22,7 +23,7 @@ def trainer_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     # group (REFUSED_WHEN_NOT_DEFAULT).
     p: list[ConfigProblem] = []
     mode = config.trainer.v1.trainer_mode
-    modes = registered_modes()
+    modes = trainer_mode_names()
     if mode not in modes:
         p.append(ConfigProblem("trainer.v1.trainer_mode", f"unknown trainer mode; available: {', '.join(modes)}", mode))
     if mode == "separate_async":

@@ -8,6 +8,10 @@ Reading an image (uint8 `[H, W, 3]`) for the scene its prompt names:
    shape = from the fill ratio of its bounding box (square > 0.9 >= circle > 0.66 >= triangle: a disc fills
    pi / 4 = 0.79 of its box, a triangle 0.5).
 A component under `MIN_PIXELS` or over half the image is no object: every attribute fails.
+
+Importing this module registers `verifier_reward` as the reward `procedural_geneval` (`REWARD_NAME`, the
+`data_source` of the recipe's prompt files); pyproject.toml declares it under the `omni_core.rewards` entry points,
+so a process that meets the name (a Ray rollout worker) imports it there.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from omni_core.procedural.scenes import BACKGROUNDS, COLOURS, POSITIONS, Scene
+from omni_core.recipes.procedural_geneval.scenes import BACKGROUNDS, COLOURS, POSITIONS, Scene
+from omni_core.rewards.plugins import register_reward
 
-__all__ = ["ATTRIBUTES", "Reading", "read_scene", "verifier_reward", "verify"]
+__all__ = ["ATTRIBUTES", "REWARD_NAME", "Reading", "read_scene", "verifier_reward", "verify"]
+
+REWARD_NAME = "procedural_geneval"
 
 ATTRIBUTES = ("colour", "shape", "position")
 
@@ -103,7 +110,7 @@ def verify(image: np.ndarray, scene: Scene) -> dict[str, bool]:
 
 
 def verifier_reward(image: Any, ground_truth: Mapping[str, Any] | None) -> dict[str, float]:
-    """The built-in `procedural_geneval` reward of one image (uint8 CHW tensor, HWC array or PIL image).
+    """The `procedural_geneval` reward of one image (uint8 CHW tensor, HWC array or PIL image).
 
     `ground_truth`: the scene (`colour`, `shape`, `position`, `background`) and optionally `attributes`, the attributes
     the score counts (default all three). Returns `{"score": fraction of those correct, <attribute>: 0 or 1, "all": 0
@@ -114,7 +121,8 @@ def verifier_reward(image: Any, ground_truth: Mapping[str, Any] | None) -> dict[
     if not isinstance(ground_truth, Mapping):
         raise ValueError(
             "procedural_geneval needs the scene as the row's reward_model.ground_truth "
-            "({colour, shape, position, background}); write the prompt file with omni_core.procedural.data.write_prompt_file"
+            "({colour, shape, position, background}); write the prompt file with "
+            "omni_core.recipes.procedural_geneval.data.write_prompt_file"
         )
     missing = [k for k in ("colour", "shape", "position", "background") if k not in ground_truth]
     if missing:
@@ -127,3 +135,6 @@ def verifier_reward(image: Any, ground_truth: Mapping[str, Any] | None) -> dict[
     correct = verify(to_hwc_uint8(image), scene)
     values = {k: float(v) for k, v in correct.items()}
     return {"score": sum(values[a] for a in attributes) / len(attributes), **values}
+
+
+register_reward(REWARD_NAME, verifier_reward, owner=__name__)

@@ -25,7 +25,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-from omni_core.procedural.scenes import all_scenes
+from omni_core.recipes.procedural_geneval.scenes import all_scenes
 
 __all__ = ["IMAGE_SIZE", "build_procedural_pipeline", "build_scene_tokenizer"]
 

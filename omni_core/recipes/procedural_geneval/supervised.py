@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from omni_core.models.policy import FlowPolicy
-from omni_core.procedural.data import DataDesign, build_training_set
-from omni_core.procedural.evaluation import MAX_SEQUENCE_LENGTH, evaluate_scenes
-from omni_core.procedural.scenes import all_scenes
-from omni_core.procedural.verifier import ATTRIBUTES
+from omni_core.recipes.procedural_geneval.data import DataDesign, build_training_set
+from omni_core.recipes.procedural_geneval.evaluation import MAX_SEQUENCE_LENGTH, evaluate_scenes
+from omni_core.recipes.procedural_geneval.scenes import all_scenes
+from omni_core.recipes.procedural_geneval.verifier import ATTRIBUTES
 
 __all__ = ["SupervisedResult", "SupervisedSettings", "continue_supervised", "default_device", "pretrain_to_plateau"]
 

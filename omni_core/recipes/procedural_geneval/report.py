@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from omni_core.procedural.verifier import ATTRIBUTES
+from omni_core.recipes.procedural_geneval.verifier import ATTRIBUTES
 from omni_core.reports.images import markdown_image
 
 __all__ = ["guard_drop", "headline", "report_markdown"]

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from omni_core.models.policy import FlowPolicy
-from omni_core.procedural.data import CaptionBias, scene_index
-from omni_core.procedural.scenes import POSITIONS, Scene, all_scenes
-from omni_core.procedural.verifier import ATTRIBUTES, verify
+from omni_core.recipes.procedural_geneval.data import CaptionBias, scene_index
+from omni_core.recipes.procedural_geneval.scenes import POSITIONS, Scene, all_scenes
+from omni_core.recipes.procedural_geneval.verifier import ATTRIBUTES, verify
 from omni_core.rollout.sampler import generate
 
 __all__ = ["SceneEvaluation", "evaluate_scenes"]

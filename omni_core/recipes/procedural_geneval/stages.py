@@ -1,5 +1,6 @@
-"""The stages of the procedural benchmark as plain functions, each one call for a pipeline task, and the Ray tasks
-that run the heavy ones (supervised training, evaluation) where the model runs.
+"""The stages of the procedural benchmark as plain functions, each one call for a pipeline task, the Ray tasks
+that run the heavy ones (supervised training, evaluation) where the model runs, and its Flow-GRPO run (`rl.yaml` plus
+`rl_overrides`).
 
 Layout of a benchmark folder `root`:
   init/                  the random-weight pixel-space SD3 pipeline (`model.build_procedural_pipeline`)
@@ -22,11 +23,11 @@ import torch
 
 from omni_core.evaluation import load_checkpoint_weights
 from omni_core.models.policy import FlowPolicy
-from omni_core.procedural.data import DataDesign, write_prompt_file
-from omni_core.procedural.evaluation import evaluate_scenes
-from omni_core.procedural.model import IMAGE_SIZE, build_procedural_pipeline
-from omni_core.procedural.scenes import Scene
-from omni_core.procedural.supervised import (
+from omni_core.recipes.procedural_geneval.data import DataDesign, write_prompt_file
+from omni_core.recipes.procedural_geneval.evaluation import evaluate_scenes
+from omni_core.recipes.procedural_geneval.model import IMAGE_SIZE, build_procedural_pipeline
+from omni_core.recipes.procedural_geneval.scenes import Scene
+from omni_core.recipes.procedural_geneval.supervised import (
     SupervisedResult,
     SupervisedSettings,
     continue_supervised,
@@ -40,8 +41,11 @@ __all__ = [
     "ProceduralData",
     "evaluate_model",
     "prepare_data",
+    "rl_config_file",
     "rl_overrides",
 ]
+
+RL_CONFIG = Path(__file__).with_name("rl.yaml")
 
 # Reward attributes of the RL prompt files: what the verifier's score counts. Not shape: the supervised base never
 # learns it at this size (its shape accuracy stays at chance, ~30%), so a shape term only adds noise to the
@@ -121,37 +125,22 @@ def evaluate_model(
     return {"summary": summary, "grid": str(path), "grid_prompts": [s.prompt for s in rows]}
 
 
-def rl_overrides(data: ProceduralData, base_dir: str | Path, checkpoint_dir: str | Path, steps: int) -> list[str]:
-    """The Flow-GRPO run of the benchmark as `main_diffusion_v1` overrides (the defaults the README records, with what
-    was tried): 8 prompts x 8 samples per step, 2 optimizer steps per step, lr 1e-4, clip 1e-4, an SDE window of 3 of
-    10 steps starting in 0..3, noise level 1.0, KL 0.04 (transition means) to the base, the built-in
-    `procedural_geneval` reward (colour and position) read from the prompt files."""
+def rl_config_file() -> str:
+    """The recipe's Flow-GRPO run as a config file (`rl.yaml`, package data): main_diffusion_v1's `config_files`."""
+    return str(RL_CONFIG)
+
+
+def rl_overrides(data: ProceduralData, model_dir: str | Path, checkpoint_dir: str | Path, steps: int, seed: int) -> list[str]:
+    """What one Flow-GRPO run of the benchmark sets on top of `rl.yaml` (8 prompts x 8 samples per step, 2 optimizer
+    steps per step, lr 1e-4, clip 1e-4, an SDE window of 3 of 10 steps starting in 0..3, noise level 1.0, KL 0.04 to
+    the base; the `procedural_geneval` reward, colour and position, read from the prompt files): the model it starts
+    from, its prompts, its length, its checkpoint folder and its seed."""
     return [
-        f"actor_rollout_ref.model.path={base_dir}",
+        f"actor_rollout_ref.model.path={model_dir}",
         f"data.train_files={data.seen_prompts}",
-        "data.val_files=null",
-        "data.train_batch_size=8",
-        "data.max_prompt_length=16",
-        "actor_rollout_ref.rollout.n=8",
-        "actor_rollout_ref.rollout.pipeline.height=32",
-        "actor_rollout_ref.rollout.pipeline.width=32",
-        "actor_rollout_ref.rollout.pipeline.num_inference_steps=10",
-        "actor_rollout_ref.rollout.pipeline.max_sequence_length=16",
-        "actor_rollout_ref.rollout.algo.noise_level=1.0",
-        "actor_rollout_ref.rollout.algo.sde_window_size=3",
-        "actor_rollout_ref.rollout.algo.sde_window_range=[0,6]",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.actor.optim.lr=1e-4",
-        "actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-4",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.kl_loss_coef=0.04",
-        "trainer.val_before_train=false",
-        "trainer.logger=[console,file]",
         f"trainer.total_training_steps={steps}",
-        "trainer.total_epochs=1000",
         f"trainer.default_local_dir={checkpoint_dir}",
-        "trainer.experiment_name=procedural_geneval",
+        f"actor_rollout_ref.rollout.seed={seed}",
     ]
 
 

@@ -22,7 +22,17 @@ from typing import Literal
 
 import numpy as np
 
-from omni_core.procedural.scenes import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, Scene, all_scenes, held_out_split, render
+from omni_core.recipes.procedural_geneval.scenes import (
+    BACKGROUNDS,
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    Scene,
+    all_scenes,
+    held_out_split,
+    render,
+)
+from omni_core.recipes.procedural_geneval.verifier import REWARD_NAME
 
 __all__ = [
     "DATA_SOURCE",
@@ -36,8 +46,8 @@ __all__ = [
 
 Attribute = Literal["colour", "shape", "position"]
 VALUES: dict[str, Sequence[str]] = {"colour": tuple(COLOURS), "shape": SHAPES, "position": tuple(POSITIONS)}
-# The built-in reward (omni_core.rewards.registry) that scores a row of the prompt files.
-DATA_SOURCE = "procedural_geneval"
+# The reward that scores a row of the prompt files: the verifier, registered under this name (`verifier`).
+DATA_SOURCE = REWARD_NAME
 
 
 @dataclass(frozen=True)
