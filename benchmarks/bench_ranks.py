@@ -11,7 +11,7 @@ Two measurements, each on a local Ray cluster that this script starts (``num_cpu
    DDP communication hook doing what DDP's default one does (divide by N, all-reduce) while it counts the bytes
    of every gradient bucket and times each bucket from issue to completion. Then each group all-reduces
    buffers of the same bucket sizes alone (after a barrier): the cost of the communication itself.
-2. **Weight sync.** One version's sync as the trainer does it (``_push_weights`` -> ``AgentLoopManager.
+2. **Weight sync.** One version's sync as the trainer does it (``SyncFeed.publish_weights`` -> ``AgentLoopManager.
    update_weights``): rank 0's ``get_weights.remote()`` ObjectRef, then ``set_weights.remote(ref, v)`` on K
    receivers (K = 1, 2), for the tiny model and larger SD3 transformers built offline here. The receivers are
    plain actors (``WeightReceiver``) whose policy is built with the rollout workers' ``rollout_policy_kwargs``

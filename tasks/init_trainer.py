@@ -1,5 +1,5 @@
 """Stage 5 — `init_trainer`: verl-omni's `trainer.init()` -> `_setup()` (dataloader, the training actor
-on Ray, checkpoint resume) + `on_init_end()`. The flow holds the checkpoint folder's run lock around
+on Ray, checkpoint resume). The flow holds the checkpoint folder's run lock around
 this and every later stage, so a second run pointed at the same folder is refused before it gets here."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""`PolicyGradientDiffusionTrainerV1`: the v1 controller with verl-omni's lifecycle and named hooks.
+"""`PolicyGradientDiffusionTrainerV1`: the v1 controller with verl-omni's lifecycle; a mode is its rollout feed.
 
 `init(train_records, val_records)` -> `_setup()` (dataloader, the training actor on Ray, checkpoint
-resume) + `on_init_end()` (the tokenizer stays with `prepare_dataset`, which checked the prompts
-against it); `init_agent_loop()` starts the rollout workers; `fit(agent_loop_manager)` runs every
+resume; the tokenizer stays with `prepare_dataset`, which checked the prompts against it);
+`init_agent_loop()` starts the rollout workers and gives them the weights; `fit(agent_loop_manager)` runs every
 epoch through `fit_epoch(epoch)`, which is a function of (config, epoch, checkpoint): it can run on
 any Ray worker, fail, and be retried. It
 finds the run's actors by name, restores the controller state from the last checkpoint written
@@ -11,10 +11,11 @@ rows and continues. One step (sync mode) follows docs/design.md section 1:
 
   prompts -> TQ (pending) -> rollout workers sample + score -> replay buffer (complete groups, oldest
   first) -> advantages -> old log-probs + PPO update in the training actor -> checkpoint -> weights to
-  the rollout side (on_step_end) -> validation -> metrics -> clear the step's rows.
+  the rollout side -> validation -> metrics -> clear the step's rows.
 
-A trainer mode (`modes.py`) is hooks only. The controller's log lines go to `log_callback` as they
-happen (the Prefect layer forwards them to the run's log; omni_core knows nothing of Prefect), and
+A trainer mode (`modes.py`) is its rollout feed (`rollout_feed.py`): how the step's batch is sampled, when the
+rollout side gets new weights, and what a checkpoint keeps of the queue; the steps above call it. The
+controller's log lines go to `log_callback` as they happen (the Prefect layer forwards them to the run's log; omni_core knows nothing of Prefect), and
 `close()` stops the run's actors and clears its TransferQueue rows.
 """
 
@@ -26,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -43,25 +44,19 @@ from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
 from omni_core.resources import resource_plan, rollout_worker_count, standalone_rollout, uses_hybrid_engine
 from omni_core.rewards.failures import check_failure_share
-from omni_core.rollout import queue_record
-from omni_core.rollout.group_refill import (
-    IncompleteGroupsError,
-    RefilledBatch,
-    check_trainable,
-    describe_reasons,
-    group_refill_metrics,
-    sample_complete_groups,
-)
+from omni_core.rollout.group_refill import group_refill_metrics
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.run_control import kill_run_actors, raise_if_stop_requested, start_run_control
 from omni_core.tq import client as tqc
-from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch
 from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
 from omni_core.training_ranks import TrainingRanks
 from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.worker_logs import ActorLogs
 from omni_core.worker_pool import actor_options, create_pool, remove_pool
+
+if TYPE_CHECKING:
+    from omni_core.trainers.rollout_feed import RolloutFeed
 
 logger = logging.getLogger("omni_core.trainer")
 
@@ -91,9 +86,10 @@ def cpu_threads(parallel_workers: int, cores_taken: int = 0) -> int:
 
 
 class PolicyGradientDiffusionTrainerV1:
-    """Base v1 trainer; see the module docstring for the lifecycle."""
+    """Base v1 trainer; see the module docstring for the lifecycle. A mode sets `mode` and `feed_cls`."""
 
     mode: str = "base"
+    feed_cls: type[RolloutFeed]
 
     def __init__(self, config: OmniFlowConfig, run: RunInfo):
         self.config = config
@@ -115,6 +111,7 @@ class PolicyGradientDiffusionTrainerV1:
         self.log_callback: Callable[[int, str], None] | None = None
         self._actor_logs = ActorLogs()  # the actors' own `omni_core` log records (omni_core.worker_logs)
         self._run_control: Any = None  # `omni_core.run_control.RunControl`, created by `init` (the flow process)
+        self.feed = self.feed_cls(self)
 
     # ------------------------------------------------------------------------ sizes
     @property
@@ -144,9 +141,8 @@ class PolicyGradientDiffusionTrainerV1:
 
     # ------------------------------------------------------------------------ init (flow process)
     def init(self, train_records: list[PromptRecord], val_records: list[PromptRecord]) -> None:
-        """verl-omni's `init()`: `_setup()` then the mode's `on_init_end()`."""
+        """verl-omni's `init()`: `_setup()` (the rollout side gets its weights in `init_agent_loop`)."""
         self._setup(train_records, val_records)
-        self.on_init_end()
 
     def _setup(self, train_records: list[PromptRecord], val_records: list[PromptRecord]) -> None:
         self._init_dataloader(train_records, val_records)
@@ -222,12 +218,12 @@ class PolicyGradientDiffusionTrainerV1:
         if problems:
             raise ConfigError(problems)
         path = ckpt.resume_point(
-            t.checkpoint_dir, t.resume_mode, t.resume_from_path, log_fn=lambda m: self._log(m, logging.WARNING)
+            t.checkpoint_dir, t.resume_mode, t.resume_from_path, log_fn=lambda m: self.log(m, logging.WARNING)
         )
         if path is not None:
             for line in check_resume_config(path, self.config.model_dump(mode="json")):
-                self._log(line, logging.WARNING)
-            self._check_queued_rollouts(str(path))
+                self.log(line, logging.WARNING)
+            self.feed.check_resume(str(path))
         self.resume_from = str(path) if path else None
         self._restore(self.resume_from)
 
@@ -236,7 +232,7 @@ class PolicyGradientDiffusionTrainerV1:
         self._start_agent_loop()
         assert self.agent_loop is not None
         self.agent_loop.wait_ready()
-        self._push_weights()
+        self.feed.publish_weights(self.global_step)
         return self.agent_loop
 
     # ------------------------------------------------------------------------ attach / close (any process)
@@ -307,7 +303,7 @@ class PolicyGradientDiffusionTrainerV1:
             ckpt.restore_rng_state(ckpt.read_state(path, "rng"))
             target = self.global_step
         for line in self.ranks.restore(path, target, ACTOR_CALL_TIMEOUT_S):
-            self._log(line, logging.WARNING)
+            self.log(line, logging.WARNING)
 
     def _attach_transfer_queue(self) -> None:
         """Every process of the run (this one, the training actor, the rollout workers) on the cluster's
@@ -328,7 +324,7 @@ class PolicyGradientDiffusionTrainerV1:
         # turns ENOSPC into a DiskFullError naming the folder; the temp folder is removed either way.
         assert self.ranks is not None and self.dataloader is not None
         with ckpt.CheckpointWriter(root, self.global_step) as writer:
-            self._save_queued_rollouts(writer)
+            self.feed.save(writer, self.global_step)
             self.ranks.save(str(writer.tmp), ACTOR_CALL_TIMEOUT_S)
             writer.write_state("dataloader", self.dataloader.state_dict())
             writer.write_state("controller", {"global_step": self.global_step, "run_id": self.run.run_id})
@@ -338,7 +334,7 @@ class PolicyGradientDiffusionTrainerV1:
         # Never delete the checkpoint a running epoch may restart from (its start).
         epoch_start = (self.global_step - 1) // self.steps_per_epoch * self.steps_per_epoch
         ckpt.apply_retention(root, t.max_actor_ckpt_to_keep, protect={epoch_start}, run_id=self.run.run_id)
-        self._log(f"checkpoint saved: {path}")
+        self.log(f"checkpoint saved: {path}")
         return str(path)
 
     # ------------------------------------------------------------------------ fit
@@ -357,16 +353,16 @@ class PolicyGradientDiffusionTrainerV1:
         self._attach_transfer_queue()
         for partition in (self.run.train_partition, self.run.val_partition):
             stale = tqc.clear_partition(partition)
-            if stale and not self._keeps_queued_rollouts(start_from):
-                self._log(f"cleared {stale} stale TransferQueue rows of {partition}", logging.WARNING)
-        self._push_weights()
-        self._restore_queued_rollouts(start_from)
+            if stale and not self.feed.keeps_queued(start_from):
+                self.log(f"cleared {stale} stale TransferQueue rows of {partition}", logging.WARNING)
+        self.feed.publish_weights(self.global_step)
+        self.feed.restore(start_from)
         result = EpochResult(epoch=epoch, global_step=self.global_step, checkpoint=None)
         self.tracking = Tracking(
             self.config.trainer.logger,
             self.run.log_dir,
             self.total_training_steps,
-            console_sink=self._log if self.log_callback is not None else None,
+            console_sink=self.log if self.log_callback is not None else None,
             resume_step=self.global_step,  # a retried epoch replaces the records its failed try wrote
             run=self._tracker_run() if {"wandb", "mlflow"} & set(self.config.trainer.logger) else None,
         )
@@ -375,11 +371,9 @@ class PolicyGradientDiffusionTrainerV1:
                 result.val_metrics = self._validate()
                 self.tracking.log(result.val_metrics, step=self.global_step)
                 return result
-            if self.global_step == 0 and epoch == 0:
-                self.on_train_begin()
-                if self.config.trainer.val_before_train:
-                    result.val_metrics = self._validate()
-                    self.tracking.log(result.val_metrics, step=0)
+            if self.global_step == 0 and epoch == 0 and self.config.trainer.val_before_train:
+                result.val_metrics = self._validate()
+                self.tracking.log(result.val_metrics, step=0)
             last_step = min((epoch + 1) * self.steps_per_epoch, self.total_training_steps)
             while self.global_step < last_step:
                 raise_if_stop_requested(self.run.names, f"before step {self.global_step + 1}")
@@ -394,7 +388,6 @@ class PolicyGradientDiffusionTrainerV1:
                 result.step_metrics.append(metrics)
             result.checkpoint = self._save_checkpoint()
             if self.global_step >= self.total_training_steps:
-                self.on_train_end()
                 self.tracking.log_model(result.checkpoint, self.global_step)  # mlflow: the final model as an artifact
             self._drain_worker_logs(LOG_DRAIN_WAIT_AT_EPOCH_END_S, check=False)  # the checkpoint's lines too
         except BaseException:
@@ -414,18 +407,10 @@ class PolicyGradientDiffusionTrainerV1:
         self.global_step += 1
         step, timer = self.global_step, Timer()
         t = self.config.trainer
-        self.on_step_begin()
         with timer("step"):
-            busy_before = self.agent_loop.busy_seconds
             with timer("gen"):
-                self.on_sample_begin()
-                batch = self._sample_training_batch(step)
-                self.on_sample_end()
-            if not standalone_rollout(self.config):  # sync: the workers sampled only this step's requests
-                self.agent_loop.check_alive()  # collects their own clocks
-                # The workers' own time in `generate` (sampling, rewards, TQ put), a mean over the workers: what of
-                # timing_s/gen is not dispatch and queue reads.
-                timer.timing["gen_worker"] = (self.agent_loop.busy_seconds - busy_before) / len(self.agent_loop.workers)
+                batch = self.feed.sample(step)
+            timer.timing.update(self.feed.worker_timing())
             keys = batch.trajectory_keys
             rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
             with timer("adv"):
@@ -439,7 +424,7 @@ class PolicyGradientDiffusionTrainerV1:
                 ok = ~failed
             assert self.ranks is not None
             actor_metrics = self.ranks.train_step(
-                self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S, staleness=self._staleness_of(batch)
+                self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S, staleness=self.feed.staleness_of(batch, step)
             )
             for name in ("old_log_prob", "update_actor"):
                 timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")
@@ -451,13 +436,13 @@ class PolicyGradientDiffusionTrainerV1:
                 with timer("save_checkpoint"):
                     self._save_checkpoint()
             with timer("update_weights"):
-                self.on_step_end()
+                self.feed.after_step(step)
             if t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_training_steps):
                 with timer("testing"):
                     metrics.update(self._validate())
             tqc.clear(self.run.train_partition, keys)
         metrics.update(timing_metrics(timer.timing, len(keys)))
-        metrics.update(self._sampling_metrics(batch, timer.timing))
+        metrics.update(self.feed.metrics(batch, step, timer.timing))
         metrics["training/global_step"] = float(step)
         self._drain_worker_logs()
         self.tracking.log(metrics, step=step)
@@ -465,121 +450,22 @@ class PolicyGradientDiffusionTrainerV1:
             self.step_callback(step, self.total_training_steps, metrics)
         return metrics
 
-    def _sample_training_batch(self, step: int) -> SampledBatch:
-        """sync: the step's prompts, sampled now with the current weights, as complete groups (with
-        `trainer.v1.sampler.drop_incomplete_groups`, failed groups refilled or dropped: `_rollout_refilling_failed_groups`)."""
-        assert self.dataloader is not None
-        params = SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
-        request = RolloutRequest.of_records(self.run.train_partition, step, params, self.dataloader.next_batch(), f"{step:06d}")
-        if self.config.trainer.v1.sampler.drop_incomplete_groups:
-            return self._rollout_refilling_failed_groups(request)
-        return self._rollout(request, self.config.data.gen_batch_size)
-
-    def _staleness_of(self, batch: SampledBatch) -> torch.Tensor | None:
-        """Each trajectory's staleness in model versions, in `batch.trajectory_keys` order (sync: on-policy, None)."""
-        return None
-
-    def _sampling_metrics(self, batch: SampledBatch, timing: dict[str, float]) -> dict[str, float]:
-        """Metrics of how the step's batch was sampled (separate_async: staleness and idle shares)."""
-        return {}
-
-    def _save_queued_rollouts(self, writer: ckpt.CheckpointWriter) -> None:
-        """Write the prompts put ahead of training into a checkpoint (separate_async; sync has none)."""
-
-    def _check_queued_rollouts(self, checkpoint: str) -> None:
-        """sync: refuse a checkpoint holding prompt groups that separate_async sampled ahead (its dataloader state is
-        past them, so a sync run would skip them)."""
-        feed = queue_record.feed_state(checkpoint)
-        if feed is not None and feed.groups:
-            raise ckpt.CheckpointError(
-                f"{checkpoint} holds {feed.groups} prompt groups that trainer.v1.trainer_mode=separate_async sampled ahead "
-                "and did not train yet; a sync run would skip them. Resume it with trainer.v1.trainer_mode=separate_async, "
-                "or resume from a checkpoint of a sync run."
-            )
-
-    def _keeps_queued_rollouts(self, checkpoint: str | None) -> bool:
-        """Whether `checkpoint` holds queued rollouts that `_restore_queued_rollouts` puts back."""
-        return False
-
-    def _restore_queued_rollouts(self, checkpoint: str | None) -> None:
-        """Put back the queued rollouts of `checkpoint` after the epoch cleared the TransferQueue (separate_async)."""
-
-    def _rollout(
-        self, request: RolloutRequest, chunk_size: int | None = None, *, allow_failed_groups: bool = False
-    ) -> SampledBatch:
-        """Put the request's prompts, dispatch them (in chunks of `chunk_size` prompts when given), and wait
-        (bounded) for their complete groups; `allow_failed_groups`: a group whose generation failed (no rows)
-        is returned with its reason instead of failing the step (the caller evicts and refills it)."""
-        assert self.agent_loop is not None
-        tqc.put_prompts(request.partition, request.uids, request.global_step)
-        deadline = time.monotonic() + ACTOR_CALL_TIMEOUT_S
-        # Wait on the calls themselves, then read the queue: polling it every 50 ms while the workers compute cost
-        # the rollout CPU on a small machine (this process, TransferQueue's controller and the wake-ups of both).
-        self.agent_loop.wait_for(self.agent_loop.generate_sequences(request, chunk_size), ACTOR_CALL_TIMEOUT_S)
-        buffer = ReplayBuffer(
-            request.partition,
-            poll_interval=0.05,
-            timeout_s=max(1.0, deadline - time.monotonic()),
-            liveness_check=self.agent_loop.check_alive,
-        )
-        step, n = request.global_step, request.params.n
-        batch = buffer.sample(len(request.items), step, n)
-        for uid, reason in batch.failed_uids.items():
-            self._log(f"step {step}: prompt group {uid} failed: {reason}", logging.WARNING)
-        # Reward failures still write their rows (checked in `step` against reward.max_failure_ratio); missing
-        # rows mean the generation itself failed.
-        if not allow_failed_groups and len(batch.trajectory_keys) != request.num_samples:
-            raise RuntimeError(
-                f"step {step}: rollout returned {len(batch.trajectory_keys)} of {request.num_samples} samples; failed groups: "
-                f"{batch.failed_uids}"
-            )
-        return batch
-
-    def _rollout_refilling_failed_groups(self, request: RolloutRequest) -> RefilledBatch:
-        """`trainer.v1.sampler.drop_incomplete_groups` (verl-omni's exact refill, `omni_core.rollout.group_refill`):
-        one prompt per rollout call; a group with a failed sample is evicted and its prompt sampled again, up to
-        `max_incomplete_group_refill_rounds` rounds; a prompt failing every round is dropped with a warning, and
-        the step trains the complete groups left if the PPO mini-batches divide them (else IncompleteGroupsError)."""
-        sampler, step = self.config.trainer.v1.sampler, request.global_step
-        rounds = sampler.max_incomplete_group_refill_rounds
-        batch = sample_complete_groups(
-            request,
-            rollout=lambda r: self._rollout(r, 1, allow_failed_groups=True),
-            clear_rows=lambda keys: tqc.clear(request.partition, keys),
-            max_rounds=rounds,
-        )
-        prompts = {it.uid: it.record.prompt for it in request.items}
-        for uid, reasons in batch.dropped.items():
-            self._log(
-                f"step {step}: prompt {uid} ({prompts[uid]!r}) failed {len(reasons)} times (max_incomplete_group_refill_rounds="
-                f"{rounds} refills) and is dropped from this step; reasons: {describe_reasons(reasons)}",
-                logging.WARNING,
-            )
-        try:
-            n, mini = request.params.n, self.config.actor_rollout_ref.actor.ppo_mini_batch_size
-            check_trainable(batch, n, mini, rounds, step)
-        except IncompleteGroupsError:
-            tqc.clear(request.partition, batch.trajectory_keys)  # nothing of the step is trained
-            raise
-        return batch
-
     def _validate(self) -> dict[str, float]:
         """Validation images at noise 0 (`rollout.val_kwargs`); mean reward per data_source."""
         if not self.val_records:
             return {}
-        self.on_validate_begin()
         params = SamplingParams.for_validation(self.config.actor_rollout_ref.rollout)
         request = RolloutRequest.of_records(
             self.run.val_partition, self.global_step, params, self.val_records, uid_prefix=f"val-{self.global_step:06d}"
         )
-        request = self._with_validation_weights(request)
+        request = self.feed.validation_request(request, self.global_step)
         if self.config.actor_rollout_ref.actor.ema.enable:  # sample with the moving average of the weights
             request = self._with_ema_weights(request)
         try:
-            batch = self._rollout(request, self.config.data.val_batch_size)
+            batch = self.feed.rollout(request, self.config.data.val_batch_size)
         finally:
             if request.weights_ema:
-                self._after_ema_validation()
+                self.feed.after_ema_validation(self.global_step)
         rows = tqc.get_trajectories(
             self.run.val_partition,
             batch.trajectory_keys,
@@ -593,13 +479,8 @@ class PolicyGradientDiffusionTrainerV1:
             if mask.any():
                 metrics[f"val-core/{source}/reward/mean@{n}"] = rows["rewards"][mask].float().mean().item()
         self._save_val_grid(rows, n, metrics)
-        self.on_validate_end()
         self._drain_worker_logs()
         return metrics
-
-    def _with_validation_weights(self, request: RolloutRequest) -> RolloutRequest:
-        """sync: the workers hold the current weights already."""
-        return request
 
     def _with_ema_weights(self, request: RolloutRequest) -> RolloutRequest:
         """`actor.ema`: the request samples with the average of this step's weights (the hybrid engine's ranks load
@@ -607,11 +488,6 @@ class PolicyGradientDiffusionTrainerV1:
         assert self.ranks is not None and self.agent_loop is not None
         weights = None if self.agent_loop.colocated else self.ranks.ema_weights_ref()
         return replace(request, weights=weights, weights_version=self.global_step, weights_ema=True)
-
-    def _after_ema_validation(self) -> None:
-        """sync: separate workers sample the next step with the weights they are sent, so send the trained ones back
-        (the hybrid engine's ranks put theirs back themselves)."""
-        self._push_weights()
 
     def _save_val_grid(self, rows: dict[str, Any], n: int, metrics: dict[str, float]) -> None:
         """`<checkpoint_dir>/validation/global_step_<N>.png`, next to the checkpoint of that step."""
@@ -627,14 +503,7 @@ class PolicyGradientDiffusionTrainerV1:
             captions = [self.val_records[int(rows["prompt_index"][order[k]])].prompt for k in first]
             self.tracking.log_images(self.global_step, images[first], captions)
         self._val_grids.append((self.global_step, str(path.resolve()), dict(metrics)))
-        self._log(f"validation images: {path}")
-
-    def _push_weights(self) -> None:
-        """Send the actor's weights to every rollout worker (an object-store ref, fetched once per worker)."""
-        if self.agent_loop is None or self.ranks is None or self.agent_loop.colocated:
-            return  # hybrid engine: the ranks sample with the weights they train
-        weights = self.ranks.weights_ref(ACTOR_CALL_TIMEOUT_S)
-        self.agent_loop.update_weights(weights, self.global_step)
+        self.log(f"validation images: {path}")
 
     def _tracker_run(self) -> TrackerRun:
         """The `wandb` / `mlflow` backends' run: one per checkpoint folder, so epochs, retries and resumes continue it."""
@@ -643,7 +512,8 @@ class PolicyGradientDiffusionTrainerV1:
         return TrackerRun(t.project_name, t.experiment_name, run_id, self.config.model_dump(mode="json"), t.checkpoint_dir)
 
     # ------------------------------------------------------------------------ logs
-    def _log(self, message: str, level: int = logging.INFO) -> None:
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        """One controller log line: to `log_callback` when set, else the `omni_core.trainer` logger."""
         if self.log_callback is not None:
             self.log_callback(level, message)
         else:
@@ -658,15 +528,4 @@ class PolicyGradientDiffusionTrainerV1:
         assert self.agent_loop is not None
         lines = self.agent_loop.drain_logs() if check else []
         for level, line in [*lines, *self._actor_logs.collect(self._log_actors(), wait_s)]:
-            self._log(line, level)
-
-    # ------------------------------------------------------------------------ hooks
-    def on_init_end(self) -> None: ...
-    def on_train_begin(self) -> None: ...
-    def on_train_end(self) -> None: ...
-    def on_validate_begin(self) -> None: ...
-    def on_validate_end(self) -> None: ...
-    def on_step_begin(self) -> None: ...
-    def on_step_end(self) -> None: ...
-    def on_sample_begin(self) -> None: ...
-    def on_sample_end(self) -> None: ...
+            self.log(line, level)
