@@ -134,7 +134,8 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------- state dicts
     def state_dict(self, optimizer: bool = True) -> dict[str, Any]:
         """`model` (the trainable state), `version`, `ema` (when kept) and, with `optimizer`, `optimizer`,
-        `lr_scheduler` and `grad_scaler` (fp16 compute)."""
+        `lr_scheduler` and `grad_scaler` (fp16 compute). Torch's optimizer state holds the live moment tensors:
+        deep-copy (or save) the result to keep it past the next step."""
         state: dict[str, Any] = {"model": self.policy.state_dict_for_checkpoint(), "version": self.version}
         if optimizer:
             state |= {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
