@@ -193,7 +193,9 @@ def test_kl_against_hand_values_and_zero_for_equal_means():
 def test_registries_resolve_names_and_list_choices_for_unknown_ones():
     assert get_adv_estimator("flow_grpo") is compute_flow_grpo_advantages
     assert get_adv_estimator("dance_grpo") is ADV_ESTIMATORS["flow_grpo"]
-    assert get_policy_loss("flow_grpo") is LOSS_MODES["flow_grpo"] is policy_loss
+    from omni_core.algorithms.losses import flow_grpo as flow_grpo_loss
+
+    assert get_policy_loss("flow_grpo") is LOSS_MODES["flow_grpo"] is flow_grpo_loss.LOSS
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'.*flow_grpo"):
         get_adv_estimator("gae")
     with pytest.raises(ValueError, match=r"unknown loss mode 'dpo'.*\['flow_grpo'\]"):

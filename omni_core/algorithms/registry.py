@@ -1,18 +1,21 @@
 """Name -> function registries for the algorithm pieces a user selects in the config.
 
 Keys are the names users type (``algorithm.adv_estimator``, ``actor.diffusion_loss.loss_mode``); an
-unknown name raises ``ValueError`` listing the choices. Thin dicts, as verl-omni's registries.
+unknown name raises ``ValueError`` listing the choices. Thin dicts, as verl-omni's registries. A loss is a
+`PolicyLoss` (``omni_core.algorithms.loss_contract``): the ``LOSS`` of the module ``names.LOSS_MODULES`` names.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
-from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages, policy_loss
-from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
+from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages
+from omni_core.algorithms.loss_contract import PolicyLoss
+from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODULES
 
 __all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "compute_advantages", "get_adv_estimator", "get_policy_loss"]
 
@@ -22,10 +25,10 @@ __all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "compute_advantages", "get_adv_estima
 # separate algorithm.
 ADV_ESTIMATORS: dict[str, Callable[..., Any]] = dict.fromkeys(ADV_ESTIMATOR_NAMES, compute_flow_grpo_advantages)
 
-LOSS_MODES: dict[str, Callable[..., Any]] = dict.fromkeys(LOSS_MODE_NAMES, policy_loss)
+LOSS_MODES: dict[str, PolicyLoss] = {name: importlib.import_module(module).LOSS for name, module in LOSS_MODULES.items()}
 
 
-def _lookup(table: dict[str, Callable[..., Any]], name: str, what: str) -> Callable[..., Any]:
+def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
     try:
         return table[name]
     except KeyError:
@@ -49,6 +52,6 @@ def compute_advantages(algorithm: Any, rewards: Tensor, group_index: Tensor) -> 
     )
 
 
-def get_policy_loss(name: str) -> Callable[..., Any]:
+def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss registered as ``name`` (``actor_rollout_ref.actor.diffusion_loss.loss_mode``)."""
     return _lookup(LOSS_MODES, name, "loss mode")

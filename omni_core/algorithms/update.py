@@ -3,8 +3,9 @@
 Owns the update schedule (verl-omni's ``TrainingWorker.train_mini_batch`` +
 ``_run_forward_backward_batch``) and the optimizer / LR-scheduler builders. The model-specific part,
 a transformer forward for window step ``j`` followed by re-scoring the stored transition
-``latents[:, j] -> latents[:, j + 1]`` with the SDE, is the caller's ``step_fn``; the loss math is
-:mod:`omni_core.algorithms.flow_grpo`.
+``latents[:, j] -> latents[:, j + 1]`` with the SDE, is the caller's ``step_fn``; the loss is the registered
+``cfg.loss_mode`` (:mod:`omni_core.algorithms.loss_contract`): this loop hands it one ``LossInputs`` record with
+the fields it declared, and keeps its groups (``group_size`` adjacent samples, e.g. pairs) in one micro-batch.
 
 Schedule (for each call, i.e. once per training step):
 
@@ -13,14 +14,15 @@ Schedule (for each call, i.e. once per training step):
             share = mini_batch.chunk(dp_size)[dp_rank]   # data parallel: this rank's slice (all of it on one rank)
             for micro_batch in share:             # micro_batch_size samples
                 for j in window steps:            # W
-                    loss_j = (policy loss + kl_coef * KL) / (n_micro * W)   # n_micro: micro-batches of the share
-                                                  # KL: of the transition means or the velocities (kl_type)
+                    loss_j = loss(inputs_j) / (n_micro * W)   # n_micro: micro-batches of the share
+                                                  # flow_grpo: policy loss + kl_coef * KL (of means or velocities)
                     loss_j.backward()             # at once: activations of one step only
             (ranks average their gradients)       # DDP, on the share's last backward
             clip_grad_norm_; optimizer.step(); zero_grad
     lr_scheduler.step()                           # once per training step, as verl-omni
 
-Every rank draws the same permutation (same seed), so the ranks' slices of a mini-batch are disjoint and
+With a loss's ``group_size`` g > 1 the permutation moves whole groups (samples ``g*k .. g*k+g-1``). Every rank
+draws the same permutation (same seed), so the ranks' slices of a mini-batch are disjoint and
 together the whole mini-batch: the averaged gradient is the single-rank gradient of that mini-batch.
 
 Off-policy batches (separate_async) carry each sample's staleness in model versions: the update then also reports
@@ -34,13 +36,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from omni_core.algorithms.flow_grpo import kl_loss, velocity_kl_loss
+from omni_core.algorithms.loss_contract import DATA_INPUTS, LossInputs, LossSettings, check_declared
 from omni_core.algorithms.registry import get_policy_loss
 
 __all__ = [
@@ -71,6 +73,9 @@ class StepOutput:
             grad), or None when the KL term is off or compares velocities.
         velocity: ``[b, *latent]`` the current policy's predicted velocity (with grad), for ``kl_type="velocity"``.
         ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
+        latents, next_latents, sigma, next_sigma, final_latents: the stored trajectory's, for a loss that declares
+            them (see ``LossInputs``).
+    A step function fills the optional fields the active loss declares (``LossInputs``); the others stay None.
     """
 
     log_prob: Tensor
@@ -79,6 +84,11 @@ class StepOutput:
     ref_prev_sample_mean: Tensor | None = None
     velocity: Tensor | None = None
     ref_velocity: Tensor | None = None
+    latents: Tensor | None = None
+    next_latents: Tensor | None = None
+    sigma: Tensor | None = None
+    next_sigma: Tensor | None = None
+    final_latents: Tensor | None = None
 
 
 @dataclass
@@ -88,7 +98,8 @@ class PPOUpdateConfig:
     ``mini_batch_size`` = ``actor.ppo_mini_batch_size x rollout.n``; ``micro_batch_size`` =
     ``actor.ppo_micro_batch_size_per_gpu``; ``kl_coef`` = 0 turns the KL term off; ``kl_type``
     (``actor.kl_loss_type``) is what it compares: ``transition_mean`` or ``velocity``; ``seed`` seeds
-    the mini-batch shuffle (``actor.data_loader_seed``).
+    the mini-batch shuffle (``actor.data_loader_seed``); ``loss_options`` are the loss's own keys
+    (``actor.diffusion_loss``).
     """
 
     mini_batch_size: int
@@ -104,6 +115,15 @@ class PPOUpdateConfig:
     kl_type: str = "transition_mean"
     dp_rank: int = 0  # this process's data-parallel rank, of dp_size (trainer.n_gpus_per_node x trainer.nnodes)
     dp_size: int = 1
+    loss_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def loss_settings(self) -> LossSettings:
+        """The scalars the loss reads."""
+        return LossSettings(self.clip_ratio, self.adv_clip_max, self.kl_coef, self.kl_type, dict(self.loss_options))
+
+    def group_size(self) -> int:
+        """How many adjacent samples the active loss treats as one group (kept in one micro-batch)."""
+        return get_policy_loss(self.loss_mode).group_size
 
 
 StepFn = Callable[[dict[str, Any], int], StepOutput]
@@ -125,22 +145,6 @@ def nonfinite_metrics(metrics: Mapping[str, float], *, scaled: bool) -> list[str
     return [] if scaled and not losses else losses + grad
 
 
-def _kl_term(out: StepOutput, cfg: PPOUpdateConfig) -> Tensor:
-    """The KL penalty of one window step: of the transition means or of the velocities (``cfg.kl_type``)."""
-    if cfg.kl_type == "velocity":
-        if out.velocity is None or out.ref_velocity is None:
-            raise ValueError(f"kl_type='velocity' with kl_coef={cfg.kl_coef} > 0 but step_fn returned no velocity / ref_velocity")
-        return velocity_kl_loss(out.velocity, out.ref_velocity)
-    if cfg.kl_type != "transition_mean":
-        raise ValueError(f"unknown kl_type {cfg.kl_type!r}; choose transition_mean or velocity")
-    if out.ref_prev_sample_mean is None:
-        raise ValueError(
-            f"kl_coef={cfg.kl_coef} > 0 but step_fn returned no ref_prev_sample_mean; compute the reference transition "
-            "mean or set kl_coef=0"
-        )
-    return kl_loss(out.prev_sample_mean, out.ref_prev_sample_mean, out.std_dev_t)
-
-
 def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
     mini, micro, ranks = cfg.mini_batch_size, cfg.micro_batch_size, cfg.dp_size
     if mini <= 0 or micro <= 0 or cfg.ppo_epochs <= 0:
@@ -153,6 +157,12 @@ def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
         )
     if mini % (micro * ranks):
         raise ValueError(f"mini_batch_size={mini} is not divisible by micro_batch_size={micro} x dp_size={ranks}")
+    group = cfg.group_size()
+    if micro % group:
+        raise ValueError(
+            f"loss {cfg.loss_mode!r} trains groups of {group} samples in one micro-batch; micro_batch_size={micro} "
+            f"(actor.ppo_micro_batch_size_per_gpu) must be a multiple of {group}"
+        )
 
 
 def local_schedule(batch_size: int, cfg: PPOUpdateConfig) -> list[list[Tensor]]:
@@ -162,10 +172,13 @@ def local_schedule(batch_size: int, cfg: PPOUpdateConfig) -> list[list[Tensor]]:
     mini-batch. A caller that holds only some samples reads the indices it needs from here first.
     """
     _check_sizes(batch_size, cfg)
+    group = cfg.group_size()  # divides micro, hence the batch: groups are never split
     generator = torch.Generator().manual_seed(cfg.seed)
     shares = []
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(batch_size, generator=generator) if cfg.shuffle else torch.arange(batch_size)
+        n_groups = batch_size // group
+        groups = torch.randperm(n_groups, generator=generator) if cfg.shuffle else torch.arange(n_groups)
+        order = groups if group == 1 else (groups[:, None] * group + torch.arange(group)).flatten()
         shares.extend(mini.chunk(cfg.dp_size)[cfg.dp_rank] for mini in order.split(cfg.mini_batch_size))
     return shares
 
@@ -176,6 +189,31 @@ def _take(batch: Mapping[str, Any], idx: Tensor) -> dict[str, Any]:
     for key, value in batch.items():
         out[key] = value[idx.to(value.device)] if isinstance(value, Tensor) else value
     return out
+
+
+def _loss_inputs(
+    name: str, needs: frozenset[str], out: StepOutput, micro: Mapping[str, Any], idx: Tensor, j: int, group: int
+) -> LossInputs:
+    """The record of window step ``j`` of the micro-batch of samples ``idx``: the declared fields only, the step's data
+    moved to the device of ``out.log_prob``; a declared field the step function did not return is an error."""
+    device = out.log_prob.device
+    values: dict[str, Any] = {}
+    for key in needs - DATA_INPUTS:
+        values[key] = getattr(out, key)
+    if "old_log_prob" in needs:
+        values["old_log_prob"] = micro["old_log_probs"][:, j].to(device)
+    if "advantages" in needs:
+        adv = micro["advantages"]
+        values["advantages"] = (adv[:, j] if adv.dim() == 2 else adv).to(device)
+    if "pair_index" in needs:
+        values["pair_index"] = (idx // group).to(device)
+    missing = sorted(key for key, value in values.items() if value is None)
+    if missing:
+        raise ValueError(
+            f"loss {name!r} needs {missing} but step_fn returned none; compute them in the step function (a KL term's "
+            "reference values, for one) or turn the term that needs them off (kl_coef=0)"
+        )
+    return LossInputs(**values)
 
 
 def ratio_by_level(ratio: Tensor, level: Tensor, n_levels: int, clip_ratio: float) -> dict[str, Tensor]:
@@ -236,8 +274,8 @@ def ppo_update(
         model: the trained module (its trainable parameters are grad-clipped; set to train mode).
         optimizer: stepped once per mini-batch.
         lr_scheduler: stepped once at the end of the call (or None).
-        batch: ``latents [B, W+1, *latent]``, ``timesteps [B, W]``, ``old_log_probs [B, W]``,
-            ``advantages [B]`` (or ``[B, W]``), optionally ``staleness [B]`` (each sample's, in model versions:
+        batch: ``latents [B, W+1, *latent]``, ``timesteps [B, W]``, ``old_log_probs [B, W]`` (or, for a loss that
+            declares no old log-probs, ``window``: W), ``advantages [B]`` (or ``[B, W]``), optionally ``staleness [B]`` (each sample's, in model versions:
             off-policy batches), plus any conditioning tensors with batch dim first.
         step_fn: ``step_fn(micro_batch, j) -> StepOutput`` for window step ``j`` (see StepOutput).
         cfg: sizes and loss knobs.
@@ -248,7 +286,7 @@ def ppo_update(
             in it, so the ranks average once per optimizer step.
 
     Returns:
-        Means over all (micro-batch, step) calls of ``actor/pg_loss``, ``actor/pg_clipfrac``,
+        Means over all (micro-batch, step) calls of the loss's metrics, for flow_grpo ``actor/pg_loss``, ``actor/pg_clipfrac``,
         ``actor/pg_clipfrac_higher``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
         ``actor/ratio_mean``, ``actor/ratio_std``, ``actor/kl_loss`` (0 when off); the mean over
         mini-batches of ``actor/grad_norm`` (before clipping); ``actor/lr`` used by this step;
@@ -259,7 +297,11 @@ def ppo_update(
         loss sees (before clipping) and the share of it outside ``1 +- clip_ratio``.
     """
     loss_fn = get_policy_loss(cfg.loss_mode)
-    batch_size, window = batch["old_log_probs"].shape[:2]
+    settings = cfg.loss_settings()
+    needs = check_declared(cfg.loss_mode, loss_fn, settings)  # what the loss reads: nothing else is assembled
+    group = loss_fn.group_size
+    batch_size = next(v for v in batch.values() if isinstance(v, Tensor)).shape[0]
+    window = batch["old_log_probs"].shape[1] if "old_log_probs" in batch else int(batch["window"])
     shares = local_schedule(batch_size, cfg)
     n_micro = cfg.mini_batch_size // cfg.dp_size // cfg.micro_batch_size
     # Every backward adds 1/(n_micro * W) of the rank's share of a mini-batch's mean loss: gradients then equal
@@ -283,33 +325,20 @@ def ppo_update(
         micro_batches = share.split(cfg.micro_batch_size)
         for m, micro_idx in enumerate(micro_batches):
             micro = _take(batch, micro_idx)
-            adv = micro["advantages"]
             for j in range(window):
                 last = m == len(micro_batches) - 1 and j == window - 1
                 sync = contextlib.nullcontext() if last or no_grad_sync is None else no_grad_sync()
                 with sync:
                     out = step_fn(micro, j)
-                    adv_j = adv[:, j] if adv.dim() == 2 else adv
-                    old_j = micro["old_log_probs"][:, j].to(out.log_prob.device)
-                    loss, metrics = loss_fn(
-                        out.log_prob,
-                        old_j,
-                        adv_j.to(out.log_prob.device),
-                        clip_ratio=cfg.clip_ratio,
-                        adv_clip_max=cfg.adv_clip_max,
-                    )
-                    kl = loss.new_zeros(())
-                    if cfg.kl_coef > 0:
-                        kl = _kl_term(out, cfg)
-                        loss = loss + cfg.kl_coef * kl
+                    loss, metrics = loss_fn(_loss_inputs(cfg.loss_mode, needs, out, micro, micro_idx, j, group), settings)
                     scaled = loss * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                    metrics["kl_loss"] = kl.detach()
                     # Kept as tensors: a float() per step would sync the device every step.
                     for key, value in metrics.items():
                         sums[key] = sums[key] + value if key in sums else value
                     n_terms += 1
                     if levels is not None:
+                        old_j = micro["old_log_probs"][:, j].to(out.log_prob.device)
                         ratio = torch.exp(out.log_prob.detach().float() - old_j.float())
                         level = torch.searchsorted(levels, micro["staleness"]).to(ratio.device, non_blocking=True)
                         _add_ratio_stats(ratio_stats, ratio_by_level(ratio, level, len(levels), cfg.clip_ratio))

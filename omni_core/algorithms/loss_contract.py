@@ -1,0 +1,88 @@
+"""The contract between the update loop and a policy loss: what a loss may ask for, and the one record it gets.
+
+A loss (one module under `omni_core.algorithms.losses`, registered by name in `omni_core.algorithms.names`) is a
+`PolicyLoss`: it declares the inputs it needs (`inputs(settings)`, a set of `LossInputs` field names, which may
+depend on its settings, e.g. a KL term that is on or off) and how many adjacent samples form one of its groups
+(`group_size`: 2 for a loss over pairs). The update loop then computes only the declared inputs, hands the loss one
+`LossInputs` per (micro-batch, window step) with every undeclared field None, and keeps each group in one
+micro-batch. It never asks which algorithm is running. The idea follows verl-omni's `DiffusionLossFn`
+(`required_model_output_keys` / `required_data_keys`); no code is copied.
+
+Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*latent`` = the latent's shape):
+
+    from the step's data            old_log_prob [b], advantages [b], pair_index [b]
+    from the current policy         log_prob [b], prev_sample_mean [b, *latent], std_dev_t (scalar / [b] / broadcastable),
+                                    velocity [b, *latent]                       (with gradient)
+    from the reference policy       ref_prev_sample_mean [b, *latent], ref_velocity [b, *latent]   (no gradient)
+    from the stored trajectory      latents [b, *latent] (x_j), next_latents [b, *latent] (x_{j+1}),
+                                    sigma [b], next_sigma [b], final_latents [b, *latent] (the window's last latent)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from torch import Tensor
+
+__all__ = ["DATA_INPUTS", "LOSS_INPUTS", "REFERENCE_INPUTS", "LossInputs", "LossSettings", "PolicyLoss", "check_declared"]
+
+
+@dataclass
+class LossInputs:
+    """One (micro-batch, window step) of a loss's inputs; a field the loss did not declare is None (shapes above)."""
+
+    log_prob: Tensor | None = None
+    old_log_prob: Tensor | None = None
+    advantages: Tensor | None = None
+    pair_index: Tensor | None = None  # [b] long: the group each sample belongs to (its rows are adjacent)
+    prev_sample_mean: Tensor | None = None
+    std_dev_t: Tensor | float | None = None
+    velocity: Tensor | None = None
+    ref_prev_sample_mean: Tensor | None = None
+    ref_velocity: Tensor | None = None
+    latents: Tensor | None = None
+    next_latents: Tensor | None = None
+    sigma: Tensor | None = None
+    next_sigma: Tensor | None = None
+    final_latents: Tensor | None = None
+
+
+LOSS_INPUTS = frozenset(f.name for f in fields(LossInputs))
+DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index"})  # the update loop's; the rest the step function's
+REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """A loss's scalars: the ones every policy-gradient loss reads, and `options`, the rest of
+    `actor_rollout_ref.actor.diffusion_loss` (a loss's own keys, e.g. a preference loss's beta)."""
+
+    clip_ratio: float
+    adv_clip_max: float
+    kl_coef: float = 0.0  # 0: no KL term
+    kl_type: str = "transition_mean"  # actor.kl_loss_type: transition_mean | velocity
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class PolicyLoss(Protocol):
+    """A registered loss. `__call__` returns the scalar loss of one (micro-batch, window step) and its metrics
+    (detached scalar tensors, averaged by the update over the step's calls and reported as ``actor/<key>``)."""
+
+    group_size: int
+
+    def inputs(self, settings: LossSettings) -> frozenset[str]: ...
+
+    def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+def check_declared(name: str, loss: PolicyLoss, settings: LossSettings) -> frozenset[str]:
+    """The inputs `loss` (registered as `name`) declares under `settings`, checked against what is on offer."""
+    needs = frozenset(loss.inputs(settings))
+    unknown = sorted(needs - LOSS_INPUTS)
+    if unknown:
+        raise ValueError(f"loss {name!r} declares inputs {unknown} that no one provides; on offer: {sorted(LOSS_INPUTS)}")
+    if loss.group_size < 1:
+        raise ValueError(f"loss {name!r} declares group_size={loss.group_size}; it must be >= 1")
+    return needs

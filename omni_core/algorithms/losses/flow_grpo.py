@@ -1,0 +1,57 @@
+"""`flow_grpo`, the registered loss: Flow-GRPO's clipped policy loss plus its optional KL penalty, on the contract.
+
+Declares the per-step log-probs, old log-probs and advantages, and, when the KL term is on
+(`actor.use_kl_loss`, weight `kl_coef`), what `actor.kl_loss_type` compares: the reverse-SDE transition means with
+the step's std (`transition_mean`) or the predicted velocities (`velocity`), each with the reference policy's. The
+math is `omni_core.algorithms.flow_grpo`'s:
+
+    L_j = policy_loss(logp_j, old_logp_j, A) + kl_coef * KL_j       (paper Eq. 5-6)
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from omni_core.algorithms.flow_grpo import kl_loss, policy_loss, velocity_kl_loss
+from omni_core.algorithms.loss_contract import LossInputs, LossSettings
+
+__all__ = ["FlowGRPOLoss", "LOSS"]
+
+KL_INPUTS = {
+    "transition_mean": frozenset({"prev_sample_mean", "std_dev_t", "ref_prev_sample_mean"}),
+    "velocity": frozenset({"velocity", "ref_velocity"}),
+}
+
+
+class FlowGRPOLoss:
+    """The PPO-clip surrogate per window step, plus ``kl_coef`` x the KL to the reference when ``kl_coef > 0``."""
+
+    group_size = 1
+
+    def inputs(self, settings: LossSettings) -> frozenset[str]:
+        needs = frozenset({"log_prob", "old_log_prob", "advantages"})
+        if settings.kl_coef <= 0:
+            return needs
+        if settings.kl_type not in KL_INPUTS:
+            raise ValueError(f"unknown kl_type {settings.kl_type!r}; choose transition_mean or velocity")
+        return needs | KL_INPUTS[settings.kl_type]
+
+    def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
+        assert x.log_prob is not None and x.old_log_prob is not None and x.advantages is not None
+        loss, metrics = policy_loss(
+            x.log_prob, x.old_log_prob, x.advantages, clip_ratio=settings.clip_ratio, adv_clip_max=settings.adv_clip_max
+        )
+        kl = loss.new_zeros(())
+        if settings.kl_coef > 0:
+            if settings.kl_type == "velocity":
+                assert x.velocity is not None and x.ref_velocity is not None
+                kl = velocity_kl_loss(x.velocity, x.ref_velocity)
+            else:
+                assert x.prev_sample_mean is not None and x.ref_prev_sample_mean is not None and x.std_dev_t is not None
+                kl = kl_loss(x.prev_sample_mean, x.ref_prev_sample_mean, x.std_dev_t)
+            loss = loss + settings.kl_coef * kl
+        metrics["kl_loss"] = kl.detach()
+        return loss, metrics
+
+
+LOSS = FlowGRPOLoss()

@@ -1,0 +1,395 @@
+"""`PolicyTrainer`: the trained policy, its optimizer and LR schedule, and one training step on given trajectories.
+
+Owns what a training step computes: the old log-probs (in the micro-batch layout of the update, so the first
+on-policy ratio is exactly 1 in fp32), the reference policy's predictions the active loss declares
+(`omni_core.algorithms.loss_contract`), `ppo_update`, the EMA of the weights and the count of non-finite steps. It
+takes trajectories and advantages and gives / takes state dicts; it reads no TransferQueue, starts no Ray actor,
+forms no process group and knows no checkpoint folder. A plain Python component (like a torchtune component):
+`PolicyTrainer(config, total_training_steps).train_on(traj, advantages, step)` trains in-process.
+
+With several data-parallel ranks the owner of the process group (`workers.training_actor`) wraps the transformer
+(`ddp`, or shards it: `sharded`) and sets `gather`, which all-gathers the values of the no-grad passes by sample.
+
+Placement and precision come from `omni_core.models.placement`: fp32 master weights and optimizer state, the
+forward/backward under autocast in `actor.fsdp_config.dtype`, and a gradient scaler when that is fp16.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from omni_core.algorithms.ema import WeightsEMA
+from omni_core.algorithms.loss_contract import REFERENCE_INPUTS, check_declared
+from omni_core.algorithms.registry import get_policy_loss
+from omni_core.algorithms.update import (
+    NonFiniteTrainingError,
+    PPOUpdateConfig,
+    StepOutput,
+    build_lr_scheduler,
+    build_optimizer,
+    local_schedule,
+    nonfinite_metrics,
+    ppo_update,
+)
+from omni_core.config import OmniFlowConfig
+from omni_core.models import lora
+from omni_core.models.placement import training_policy_kwargs
+from omni_core.models.policy import FlowPolicy
+from omni_core.rollout.sampler import TransitionScore, score_transitions
+from omni_core.rollout.trajectory import Trajectory
+from omni_core.workers import fsdp2
+
+logger = logging.getLogger(__name__)
+
+# Gather(own sample indices, their values [n, ...], batch size) -> [batch size, ...] with every rank's values.
+Gather = Callable[[list[int], torch.Tensor, int], torch.Tensor]
+
+# The stored trajectory's values a loss may declare, for the rows `part` at window step `j`.
+TRAJECTORY_INPUTS: dict[str, Callable[[Trajectory, int], torch.Tensor]] = {
+    "latents": lambda part, j: part.latents[:, j],
+    "next_latents": lambda part, j: part.latents[:, j + 1],
+    "sigma": lambda part, j: part.sigmas[:, j],
+    "next_sigma": lambda part, j: part.sigmas[:, j + 1],
+    "final_latents": lambda part, j: part.latents[:, -1],
+}
+
+
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> dict[str, float]:
+    """verl's `training/rollout_probs_diff_{max,mean}`: |rollout log-prob - recomputed old log-prob| over every
+    sample and window step; empty when the rollout did not record its log-probs (`calculate_log_probs=false`)."""
+    if not torch.isfinite(rollout_log_probs).all():
+        return {}
+    diff = (rollout_log_probs.float() - old_log_probs.float()).abs()
+    return {"training/rollout_probs_diff_max": diff.max().item(), "training/rollout_probs_diff_mean": diff.mean().item()}
+
+
+class PolicyTrainer:
+    """The trained policy + optimizer + LR schedule (+ EMA) of one rank, and its training step."""
+
+    def __init__(
+        self,
+        config: OmniFlowConfig,
+        total_training_steps: int,
+        *,
+        text_encoders: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        """`text_encoders=True` keeps the pipeline's text encoders (to sample prompts in-process); `rank` of
+        `world_size` data-parallel ranks (the caller forms their group and sets `gather`)."""
+        self.config = config
+        self.total_training_steps = total_training_steps
+        self.text_encoders = text_encoders
+        self.rank, self.world_size = rank, world_size
+        self.loss = get_policy_loss(config.actor_rollout_ref.actor.diffusion_loss.loss_mode)
+        # What the active loss reads (the update computes nothing else; the reference pass runs only if declared).
+        self.needs = check_declared(self.update_config(0).loss_mode, self.loss, self.update_config(0).loss_settings())
+        self.ddp: torch.nn.Module | None = None  # DistributedDataParallel over the transformer (the group's owner sets it)
+        self.sharded = False  # the transformer is FSDP2-sharded
+        self.gather: Gather | None = None  # all-gather by sample (set with several ranks)
+        # Training steps in a row whose loss or grad norm was not finite. Not cleared by `build`: a retried epoch
+        # that hits the same fault fails at its first such step; a finite step clears it.
+        self.nonfinite_streak = 0
+        self.build()
+
+    # ------------------------------------------------------------------------------- building
+    def build(self) -> None:
+        """The policy from the base model, the reference when the loss declares one, the optimizer, scaler and EMA."""
+        arr = self.config.actor_rollout_ref
+        torch.manual_seed(arr.actor.data_loader_seed)  # LoRA init is random
+        kwargs = training_policy_kwargs(self.config) | {"text_encoders": self.text_encoders}
+        self.policy = FlowPolicy.from_model_config(arr.model, **kwargs)
+        if self.needs & REFERENCE_INPUTS:
+            self.policy.ensure_reference()  # before any sharding: the reference stays a whole, frozen copy
+        # torch.compile wraps the modules as they are at each forward: FSDP2 later shards the wrapped transformer in
+        # place, and a DDP wrapper gets a wrapper of its own at its first forward.
+        if arr.actor.use_torch_compile:
+            self.policy.enable_torch_compile()
+        self.sharded = False
+        self.build_optimizer()
+        # fp16 gradients underflow without loss scaling; bf16 and fp32 need none.
+        fp16 = self.policy.compute_dtype == torch.float16 or self.policy.dtype == torch.float16
+        self.grad_scaler = torch.amp.GradScaler(self.policy.device.type) if fp16 else None
+        self.version = 0  # the global step whose update produced the current weights
+        ema = arr.actor.ema  # the moving average of the trained weights (validation and export use it)
+        self.ema = WeightsEMA(self.trainable_state(), ema.decay, ema.start_step, ema.update_interval) if ema.enable else None
+
+    def build_optimizer(self) -> None:
+        """AdamW and its LR schedule over the current trainable parameters (FSDP2 replaces them with shards)."""
+        optim = self.config.actor_rollout_ref.actor.optim
+        self.optimizer = build_optimizer(optim, self.policy.trainable_parameters())
+        self.lr_scheduler = build_lr_scheduler(optim, self.optimizer, self.total_training_steps)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable state's live tensors (no copy), keyed as `state_dict()["model"]`."""
+        if self.policy.is_lora:
+            return lora.lora_state(self.policy.transformer)
+        return self.policy.base_transformer.state_dict()
+
+    # ------------------------------------------------------------------------------- state dicts
+    def state_dict(self, optimizer: bool = True) -> dict[str, Any]:
+        """`model` (the trainable state), `version`, `ema` (when kept) and, with `optimizer`, `optimizer`,
+        `lr_scheduler` and `grad_scaler` (fp16 compute). Torch's optimizer state holds the live moment tensors:
+        deep-copy (or save) the result to keep it past the next step."""
+        state: dict[str, Any] = {"model": self.policy.state_dict_for_checkpoint(), "version": self.version}
+        if optimizer:
+            state |= {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
+            if self.grad_scaler is not None:
+                state["grad_scaler"] = self.grad_scaler.state_dict()
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load the entries of `state` that are there (as `state_dict` names them). The config's optimizer
+        hyperparameters win over the loaded ones (`apply_optim_config`). With `model` but no `ema`, a kept average
+        starts again at the loaded weights."""
+        if "model" in state:
+            self.policy.load_trainable_state(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.apply_optim_config()
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if "version" in state:
+            self.version = int(state["version"])
+        if self.ema is not None and "ema" in state:
+            self.ema.load_state_dict(state["ema"])
+        elif self.ema is not None and "model" in state:
+            self.ema = WeightsEMA(self.trainable_state(), self.ema.decay, self.ema.start_step, self.ema.update_interval)
+
+    def apply_optim_config(self) -> None:
+        """Set lr / betas / weight_decay from the config over a loaded optimizer state (whose values were the
+        checkpoint's); the scheduler's `base_lrs` follow, and the current lr is the new base lr times the
+        schedule's multiplier at its restored step."""
+        optim = self.config.actor_rollout_ref.actor.optim
+        lr = float(optim.lr)
+        self.lr_scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group, factor in zip(self.optimizer.param_groups, self.lr_scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(self.lr_scheduler.last_epoch)
+            group["betas"] = (float(optim.betas[0]), float(optim.betas[1]))
+            group["weight_decay"] = float(optim.weight_decay)
+        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------------------- the no-grad passes
+    def update_config(self, global_step: int) -> PPOUpdateConfig:
+        actor, n = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout.n
+        return PPOUpdateConfig(
+            mini_batch_size=actor.ppo_mini_batch_size * n,
+            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=actor.ppo_epochs,
+            clip_ratio=actor.diffusion_loss.clip_ratio,
+            adv_clip_max=actor.diffusion_loss.adv_clip_max,
+            kl_coef=actor.kl_loss_coef if actor.use_kl_loss else 0.0,
+            grad_clip=actor.grad_clip,
+            shuffle=actor.shuffle,
+            seed=actor.data_loader_seed + global_step,
+            loss_mode=actor.diffusion_loss.loss_mode,
+            kl_type=actor.kl_loss_type,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+            loss_options=actor.diffusion_loss.model_dump(),
+        )
+
+    def score(self, traj: Trajectory, j: int, use_reference: bool = False) -> TransitionScore:
+        """Window step `j` of `traj` re-scored under the policy (or its reference)."""
+        rollout = self.config.actor_rollout_ref.rollout
+        return score_transitions(
+            self.policy,
+            traj,
+            j,
+            guidance_scale=rollout.pipeline.guidance_scale,
+            true_cfg_scale=rollout.pipeline.true_cfg_scale,
+            noise_level=rollout.algo.noise_level,
+            sde_type=rollout.algo.sde_type,
+            use_reference=use_reference,
+            detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
+        )
+
+    @torch.no_grad()
+    def old_log_probs(self, traj: Trajectory) -> torch.Tensor:
+        """Old log-probs `[B, W]` in micro-batches of `rollout.log_prob_micro_batch_size_per_gpu` (default: the
+        update's own micro-batch, so that the first on-policy ratio is exactly 1 in fp32)."""
+        arr = self.config.actor_rollout_ref
+        micro = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+        out = torch.empty_like(traj.log_probs)
+        for idx in torch.arange(traj.batch_size).split(micro):
+            part = traj.index_select(idx).to(self.policy.device)  # once, not per window step
+            for j in range(traj.window_size):
+                out[idx, j] = self.score(part, j)[0].float().cpu()
+        bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
+        if bad:
+            dtype = arr.actor.fsdp_config.dtype
+            raise RuntimeError(
+                f"the recomputed old log-probs of samples {bad[:8]} are not finite (training compute dtype "
+                f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}); train in float32 or bfloat16, or lower the learning rate"
+            )
+        return out
+
+    @torch.no_grad()
+    def reference_predictions(self, traj: Trajectory) -> dict[str, torch.Tensor]:
+        """The reference policy's values the loss declares, each `[B, W, *latent]`: `ref_prev_sample_mean` (its
+        transition means) and / or `ref_velocity`; in micro-batches of `ref.log_prob_micro_batch_size_per_gpu`
+        (default: the update's micro-batch), as verl's ref pass. Empty when the loss declares neither."""
+        arr = self.config.actor_rollout_ref
+        micro = arr.ref.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
+        fields = {"ref_prev_sample_mean": "prev_sample_mean", "ref_velocity": "velocity"}
+        wanted = [key for key in fields if key in self.needs]
+        out = {key: torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32) for key in wanted}
+        for idx in torch.arange(traj.batch_size).split(micro) if wanted else []:
+            part = traj.index_select(idx).to(self.policy.device)
+            for j in range(traj.window_size):
+                scored = self.score(part, j, use_reference=True)
+                for key in wanted:
+                    out[key][idx, j] = getattr(scored, fields[key]).float().cpu()
+        return out
+
+    # ------------------------------------------------------------------------------- the training step
+    def local_samples(self, batch_size: int, global_step: int) -> list[int]:
+        """The step's sample indices this rank trains on (all of them on one rank), sorted."""
+        shares = local_schedule(batch_size, self.update_config(global_step))
+        return sorted({int(i) for share in shares for i in share})
+
+    def first_epoch_samples(self, batch_size: int, global_step: int) -> list[int]:
+        """This rank's slices of the first PPO epoch's mini-batches, in training order (ranks: a partition)."""
+        shares = local_schedule(batch_size, self.update_config(global_step))
+        per_epoch = len(shares) // self.config.actor_rollout_ref.actor.ppo_epochs
+        return [int(i) for share in shares[:per_epoch] for i in share]
+
+    def by_sample(self, own: list[int], values: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """`[batch_size, ...]` from the `values` of samples `own` (NaN elsewhere) and, with several ranks, every other
+        rank's (through `gather`)."""
+        if self.world_size > 1:
+            assert self.gather is not None, "several ranks need gather (set by the owner of the process group)"
+            return self.gather(own, values, batch_size)
+        out = torch.full((batch_size, *values.shape[1:]), float("nan"), dtype=values.dtype)
+        out[own] = values
+        return out
+
+    def train_on(
+        self,
+        traj: Trajectory,
+        advantages: torch.Tensor,
+        global_step: int,
+        samples: list[int] | None = None,
+        staleness: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """Old log-probs (or the rollout's, in bypass mode), the reference pass the loss declares, then the update of
+        one training step. `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all,
+        in order), which include every sample of this rank's slices (`local_samples`). `staleness` (None: on-policy),
+        one value per sample of the whole batch, adds the importance-ratio statistics per staleness level."""
+        t0 = time.perf_counter()
+        batch_size = advantages.shape[0]
+        rows = list(range(batch_size)) if samples is None else list(samples)
+        # The batch is indexed by the step's sample number; `row_of` finds a sample's row in `traj` (-1: another rank's).
+        row_of = torch.full((batch_size,), -1, dtype=torch.long)
+        row_of[rows] = torch.arange(len(rows))
+        # The no-grad passes run on this rank's first-epoch slices: a partition of the batch into equal parts (the
+        # ranks' forwards pair up, as FSDP2's all-gathers need), in the micro-batches the update's first forwards
+        # use (so the first ratio is exactly 1); a gather gives every rank every sample's values.
+        own = self.first_epoch_samples(batch_size, global_step) if self.world_size > 1 else rows
+        part = traj.index_select(row_of[own])
+        batch: dict[str, Any] = {"advantages": advantages.float(), "sample": torch.arange(batch_size)}
+        drift: dict[str, float] = {}
+        if "old_log_prob" in self.needs or staleness is not None:
+            bypass = self.config.algorithm.rollout_correction.bypass_mode
+            old_own = part.log_probs if bypass else self.old_log_probs(part)
+            drift = {} if bypass else rollout_probs_diff(part.log_probs, old_own)
+            batch["old_log_probs"] = self.by_sample(own, old_own.float(), batch_size)
+        else:
+            batch["window"] = traj.window_size
+        refs = {key: self.by_sample(own, value, batch_size) for key, value in self.reference_predictions(part).items()}
+        if self.sharded:
+            # FSDP2 keeps the root's parameters gathered after a forward; gathered under no_grad they would carry no
+            # gradient back to the shards (the root's gradients came out None): gather them again in the update.
+            self.policy.transformer.reshard()
+        t1 = time.perf_counter()
+
+        # The current micro-batch's rows, selected and moved to the device once for its W window steps (ppo_update
+        # passes one dict per micro-batch to each of them).
+        selected: dict[str, Any] = {}
+        wanted = [key for key in TRAJECTORY_INPUTS if key in self.needs]
+
+        def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
+            if selected.get("micro_batch") is not mb:
+                selected.update(micro_batch=mb, part=traj.index_select(row_of[mb["sample"]]).to(self.policy.device))
+            rows_part = selected["part"]
+            scored = self.score(rows_part, j)
+            out = StepOutput(log_prob=scored.log_prob, prev_sample_mean=scored.prev_sample_mean, std_dev_t=scored.std_dev_t)
+            if "velocity" in self.needs:
+                out.velocity = scored.velocity
+            for key, ref in refs.items():  # the reference policy's value for the same transition (no gradient)
+                setattr(out, key, ref[mb["sample"], j].to(scored.velocity.device))
+            for key in wanted:
+                setattr(out, key, TRAJECTORY_INPUTS[key](rows_part, j))
+            return out
+
+        if staleness is not None:
+            batch["staleness"] = staleness.float()
+        metrics = self._update(batch, step_fn, global_step)
+        metrics.update(drift)
+        self.count_nonfinite(metrics, global_step)
+        self.version = global_step
+        if self.ema is not None:
+            decay = self.ema.step(self.trainable_state(), global_step)
+            metrics["actor/ema_decay"] = 0.0 if decay is None else decay  # 0: the average was not folded this step
+        t2 = time.perf_counter()
+        metrics["timing_s/old_log_prob"] = t1 - t0
+        metrics["timing_s/update_actor"] = t2 - t1
+        metrics["_train_s"] = t2 - t0
+        return metrics
+
+    def _update(
+        self, batch: dict[str, Any], step_fn: Callable[[dict[str, Any], int], StepOutput], global_step: int
+    ) -> dict[str, float]:
+        """`ppo_update` through the data-parallel wrapper, if any (one rank: the transformer as is)."""
+        self.policy.transformer.train()
+        no_sync = self.ddp.no_sync if self.ddp is not None else None
+        if self.sharded:
+            no_sync = lambda: fsdp2.no_gradient_sync(self.policy.transformer)  # noqa: E731
+        with self.policy.forward_through(self.ddp):  # DDP's forward, then the averaging backward
+            metrics = ppo_update(
+                self.policy.transformer,
+                self.optimizer,
+                self.lr_scheduler,
+                batch,
+                step_fn=step_fn,
+                cfg=self.update_config(global_step),
+                scaler=self.grad_scaler,
+                no_grad_sync=no_sync,
+            )
+        self.policy.transformer.eval()
+        return metrics
+
+    def count_nonfinite(self, metrics: dict[str, float], global_step: int) -> None:
+        """Count a step whose loss or grad norm is not finite (its optimizer steps were skipped); after
+        `actor.max_consecutive_nonfinite_steps` in a row, raise `NonFiniteTrainingError` with the likely causes."""
+        bad = nonfinite_metrics(metrics, scaled=self.grad_scaler is not None)
+        self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
+        metrics["actor/nonfinite_streak"] = float(self.nonfinite_streak)
+        if not bad:
+            return
+        arr = self.config.actor_rollout_ref
+        limit = arr.actor.max_consecutive_nonfinite_steps
+        logger.warning("step %d: %s not finite (%d of %d steps in a row allowed)", global_step, bad, self.nonfinite_streak, limit)
+        if self.nonfinite_streak < limit:
+            return
+        raise NonFiniteTrainingError(
+            f"step {global_step}: {' and '.join(bad)} not finite for {self.nonfinite_streak} training steps in a row "
+            f"(actor_rollout_ref.actor.max_consecutive_nonfinite_steps={limit}); their optimizer steps were skipped, "
+            f"so the weights are those of step {global_step - self.nonfinite_streak}. Likely causes: the learning rate "
+            f"actor_rollout_ref.actor.optim.lr={arr.actor.optim.lr:g} is too high (try 10x lower, or a warm-up with "
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps); training compute in "
+            f"actor_rollout_ref.actor.fsdp_config.dtype={arr.actor.fsdp_config.dtype} (float16 overflows: use bfloat16 "
+            f"or float32); a rollout in actor_rollout_ref.rollout.dtype={arr.rollout.dtype} that drifts from the trained "
+            f"policy (use float32; see training/rollout_probs_diff_max); actor_rollout_ref.actor.grad_clip="
+            f"{arr.actor.grad_clip:g}"
+        )
