@@ -33,6 +33,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _as_a_terminal_job() -> None:
+    """Run in the child before exec: Ctrl-C does what it does to a command typed in a terminal. A shell starts a
+    background job (`make test &`, a nohup'd loop) with SIGINT ignored, an ignored signal stays ignored across exec,
+    and Python then never raises KeyboardInterrupt: a Ctrl-C test would see the run go on to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _train(overrides: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "omniflow.flows.main_diffusion_v1", *overrides],
@@ -40,6 +47,7 @@ def _train(overrides: list[str], env: dict[str, str], log: Path) -> subprocess.P
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,  # its own process group, as a shell job would be
+        preexec_fn=_as_a_terminal_job,
     )
 
 
