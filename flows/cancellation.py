@@ -66,7 +66,11 @@ def wait_for_epoch(future: Any, names: WorkerNames, timeout_s: float) -> Any:
         # TerminationSignal, KeyboardInterrupt): that is the stop, and it is what is raised, so the engine sees a
         # cancellation, not a failure.
         cause = exc.__cause__
-        stop = cause if isinstance(exc, SystemError) and isinstance(cause, BaseException) and not isinstance(cause, Exception) else exc
+        stop = (
+            cause
+            if isinstance(exc, SystemError) and isinstance(cause, BaseException) and not isinstance(cause, Exception)
+            else exc
+        )
         with stop_signals_held():
             stop_epoch(ref, names, f"{type(stop).__name__} in the flow process")
         if stop is not exc:

@@ -20,8 +20,20 @@ CORE = REPO / "omni_core"
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "config and records",
-        {"config", "records", "quiet", "device", "data", "data_files", "resources", "faults", "sde_defaults",
-         "cache_keys", "assets", "__init__"},
+        {
+            "config",
+            "records",
+            "quiet",
+            "device",
+            "data",
+            "data_files",
+            "resources",
+            "faults",
+            "sde_defaults",
+            "cache_keys",
+            "assets",
+            "__init__",
+        },
     ),
     ("models", {"models", "sde", "checkpoint", "export", "reports", "trackers", "tracking"}),
     ("rollout", {"rollout", "tq"}),

@@ -19,7 +19,7 @@ from omni_core.rewards.manager import RewardManager
 from omni_core.rewards.registry import get_reward_function
 from omni_core.validation.reward_terms import entry_problems
 
-REGISTERS = '''
+REGISTERS = """
 from omni_core.rewards.plugins import register_reward
 
 
@@ -28,7 +28,7 @@ def mean_red(image, ground_truth):
 
 
 register_reward("mean_red", mean_red, owner=__name__)
-'''
+"""
 
 
 def _package(root: Path, module: str, source: str, entry: str) -> None:

@@ -102,7 +102,9 @@ def _trainer(overrides: list[str], run_id: str, tmp_path):
     from omni_core.trainers import build_diffusion_trainer
 
     cfg = load_config(overrides=[*overrides, f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
-    run = RunInfo(run_id=run_id, namespace="omniflow-tests", checkpoint_dir=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "logs"))
+    run = RunInfo(
+        run_id=run_id, namespace="omniflow-tests", checkpoint_dir=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "logs")
+    )
     trainer = build_diffusion_trainer(cfg, run)
     trainer.dataloader = PromptDataLoader([PromptRecord("a red circle", index=0)], 1, shuffle=False, seed=0)
     trainer.agent_loop = AgentLoopManager([], run.names)
@@ -121,7 +123,9 @@ def _queue(partition: str, n: int) -> None:
         tqc.set_prompt_status(partition, [uid], tqc.FINISHED)
         keys = [tqc.trajectory_key(uid, s) for s in range(n)]
         fields = {"rewards": torch.arange(n, dtype=torch.float32) + step}
-        tqc.put_trajectories(partition, keys, fields, [{"status": tqc.SUCCESS, "global_steps": step, "model_version": version}] * n)
+        tqc.put_trajectories(
+            partition, keys, fields, [{"status": tqc.SUCCESS, "global_steps": step, "model_version": version}] * n
+        )
 
 
 @pytest.mark.timeout(300)

@@ -105,7 +105,9 @@ def assert_listens_on_loopback_only(processes: list) -> None:
     listening = []
     for proc in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            listening += [(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+            listening += [
+                (proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN
+            ]
     names = " ".join(name for name, _, _ in listening)
     assert "TransferQueueController" in names and "SimpleStorageUnit" in names and "gcs_server" in names, listening
     exposed = [entry for entry in listening if not _is_loopback(entry[1])]

@@ -264,8 +264,8 @@ def test_prepare_run_config_reports_key_type_and_cross_field_problems_in_one_err
 
 # ------------------------------------------------------------------------------------ light name lists
 def test_light_name_lists_equal_the_registries():
-    from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
     from omni_core.algorithms.registry import ADV_ESTIMATORS, LOSS_MODES
+    from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
     from omni_core.config.trainer_modes import trainer_mode_names
     from omni_core.rewards.names import BUILTIN_REWARD_NAMES
     from omni_core.rewards.plugins import declared_rewards

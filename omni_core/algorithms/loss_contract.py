@@ -1,6 +1,6 @@
 """The contract between the update loop and a policy loss: what a loss may ask for, and the one record it gets.
 
-A loss (one module under `omni_core.algorithms.losses`, registered by name in `omni_core.algorithms.names`) is a
+A loss (one module under `omni_core.algorithms.losses`, registered by name in `omni_core.config.algorithm_names`) is a
 `PolicyLoss`: it declares the inputs it needs (`inputs(settings)`, a set of `LossInputs` field names, which may
 depend on its settings, e.g. a KL term that is on or off) and how many adjacent samples form one of its groups
 (`group_size`: 2 for a loss over pairs). The update loop then computes only the declared inputs, hands the loss one

@@ -2,7 +2,8 @@
 
 Keys are the names users type (``algorithm.adv_estimator``, ``actor.diffusion_loss.loss_mode``); an
 unknown name raises ``ValueError`` listing the choices. Thin dicts, as verl-omni's registries. A loss is a
-`PolicyLoss` (``omni_core.algorithms.loss_contract``): the ``LOSS`` of the module ``names.LOSS_MODULES`` names.
+`PolicyLoss` (``omni_core.algorithms.loss_contract``): the ``LOSS`` of the module its
+``omni_core.config.algorithm_names.LOSSES`` entry names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from omni_core.algorithms.flow_grpo import compute_flow_grpo_advantages
 from omni_core.algorithms.loss_contract import PolicyLoss
-from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODULES
+from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSSES
 
 __all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "compute_advantages", "get_adv_estimator", "get_policy_loss"]
 
@@ -25,7 +26,7 @@ __all__ = ["ADV_ESTIMATORS", "LOSS_MODES", "compute_advantages", "get_adv_estima
 # separate algorithm.
 ADV_ESTIMATORS: dict[str, Callable[..., Any]] = dict.fromkeys(ADV_ESTIMATOR_NAMES, compute_flow_grpo_advantages)
 
-LOSS_MODES: dict[str, PolicyLoss] = {name: importlib.import_module(module).LOSS for name, module in LOSS_MODULES.items()}
+LOSS_MODES: dict[str, PolicyLoss] = {name: importlib.import_module(entry.module).LOSS for name, entry in LOSSES.items()}
 
 
 def _lookup(table: dict[str, Any], name: str, what: str) -> Any:

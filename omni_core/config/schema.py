@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from omni_core.config.algorithm_names import LOSSES
 from omni_core.config.defaults_file import load_defaults
 
 _VALUES, _COMMENTS = load_defaults()
@@ -129,10 +130,27 @@ class OptimConfig(ConfigModel):
 _l = _Section("actor_rollout_ref.actor.diffusion_loss")
 
 
-class DiffusionLossConfig(ConfigModel):
+class _CommonLossConfig(ConfigModel):
     loss_mode: str = _l("loss_mode")
     clip_ratio: PositiveFloat = _l("clip_ratio")
     adv_clip_max: PositiveFloat = _l("adv_clip_max")
+
+
+# The pydantic type of each `algorithm_names.OptionType`.
+_LOSS_OPTION_TYPES: dict[str, Any] = {
+    "positive_float": PositiveFloat,
+    "non_negative_float": Annotated[float, Field(ge=0)],
+    "positive_int": PositiveInt,
+    "bool": bool,
+}
+
+# The common keys and every registered loss's own keys (`algorithm_names.LOSSES`: name and type there, default and
+# description in defaults.yaml), so a loss's keys are written in its registry entry and nowhere else.
+DiffusionLossConfig = create_model(
+    "DiffusionLossConfig",
+    __base__=_CommonLossConfig,
+    **{key: (_LOSS_OPTION_TYPES[kind], _l(key)) for entry in LOSSES.values() for key, kind in entry.options.items()},
+)
 
 
 _c = _Section("actor_rollout_ref.actor.checkpoint")

@@ -424,7 +424,12 @@ class PolicyGradientDiffusionTrainerV1:
                 ok = ~failed
             assert self.ranks is not None
             actor_metrics = self.ranks.train_step(
-                self.run.train_partition, keys, advantages, step, ACTOR_CALL_TIMEOUT_S, staleness=self.feed.staleness_of(batch, step)
+                self.run.train_partition,
+                keys,
+                advantages,
+                step,
+                ACTOR_CALL_TIMEOUT_S,
+                staleness=self.feed.staleness_of(batch, step),
             )
             for name in ("old_log_prob", "update_actor"):
                 timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from omni_core.algorithms.names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES
 from omni_core.config import ConfigProblem, OmniFlowConfig
+from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES, LOSSES
+from omni_core.config.schema import DiffusionLossConfig
 
 
 def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
@@ -25,6 +26,7 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 actor.diffusion_loss.loss_mode,
             )
         )
+    p += _unread_loss_keys(actor.diffusion_loss)
     if config.algorithm.adv_estimator not in ADV_ESTIMATOR_NAMES:
         p.append(
             ConfigProblem(
@@ -64,4 +66,24 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 model.lora_adapter_path,
             )
         )
+    return p
+
+
+def _unread_loss_keys(loss: DiffusionLossConfig) -> list[ConfigProblem]:
+    """A loss's own key set away from its default while another loss trains: accepted, it would do nothing."""
+    chosen = LOSSES.get(loss.loss_mode)
+    read = set(chosen.options) if chosen else set()
+    p = []
+    for name, entry in LOSSES.items():
+        for key in entry.options:
+            value = getattr(loss, key)
+            if key not in read and value != DiffusionLossConfig.model_fields[key].default:
+                p.append(
+                    ConfigProblem(
+                        f"actor_rollout_ref.actor.diffusion_loss.{key}",
+                        f"is read only by loss_mode {name}, and this run trains with {loss.loss_mode}; "
+                        f"set actor_rollout_ref.actor.diffusion_loss.loss_mode={name}, or drop the key",
+                        value,
+                    )
+                )
     return p

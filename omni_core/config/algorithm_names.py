@@ -1,0 +1,36 @@
+"""The algorithm names a user may type, and each loss's own config keys, known without importing the math (torch).
+
+`LOSSES` is the one table of policy losses: the name `actor_rollout_ref.actor.diffusion_loss.loss_mode` takes, the
+module that defines it (its `LOSS`, see `omni_core.algorithms.loss_contract`), and the keys the loss reads besides the
+common ones, with their types. The config schema adds those keys under `actor_rollout_ref.actor.diffusion_loss` (their
+defaults and descriptions come from `defaults.yaml`, as every key's do), validation refuses one set for a loss that
+does not read it, and `omni_core.algorithms.registry` imports the modules. Registering a loss is one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["ADV_ESTIMATOR_NAMES", "LOSSES", "LOSS_MODE_NAMES", "LossEntry", "OptionType"]
+
+# The types a loss's own key may have (the schema maps each to its pydantic type).
+OptionType = Literal["positive_float", "non_negative_float", "positive_int", "bool"]
+
+
+@dataclass(frozen=True)
+class LossEntry:
+    """One registered loss: `module` defines `LOSS`; `options` are its own keys under `diffusion_loss` -> type."""
+
+    module: str
+    options: dict[str, OptionType] = field(default_factory=dict)
+
+
+# verl-omni registers one estimator, compute_flow_grpo_outcome_advantage, under both names.
+ADV_ESTIMATOR_NAMES = ("flow_grpo", "dance_grpo")  # algorithm.adv_estimator
+
+# actor_rollout_ref.actor.diffusion_loss.loss_mode (and actor_rollout_ref.model.algorithm) -> the loss
+LOSSES: dict[str, LossEntry] = {
+    "flow_grpo": LossEntry("omni_core.algorithms.losses.flow_grpo"),
+}
+LOSS_MODE_NAMES = tuple(LOSSES)
