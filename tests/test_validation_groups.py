@@ -282,6 +282,25 @@ def test_light_name_lists_equal_the_registries():
     assert set(trainer_mode_names()) == set(DIFFUSION_TRAINER_REGISTRY)  # what validation reads, one layer down
 
 
+def test_a_loss_key_set_for_another_loss_is_refused_and_its_default_passes():
+    """A table with a pair loss that reads its own `beta`: `beta` changed while flow_grpo trains is refused with the
+    loss that reads it; left at its default, or read by the chosen loss, it passes."""
+    from omni_core.config.algorithm_names import LossEntry
+    from omni_core.validation.algorithm import unread_loss_keys
+
+    table = {
+        "flow_grpo": LossEntry("omni_core.algorithms.losses.flow_grpo"),
+        "pairs": LossEntry("somewhere.pairs", {"beta": "positive_float"}),
+        "pairs_too": LossEntry("somewhere.pairs_too", {"beta": "positive_float"}),
+    }
+    defaults = {"loss_mode": "flow_grpo", "beta": 5000.0}
+    [problem] = unread_loss_keys({"loss_mode": "flow_grpo", "beta": 10.0}, table, defaults)
+    assert problem.key == "actor_rollout_ref.actor.diffusion_loss.beta" and problem.value == 10.0
+    assert "read only by loss_mode pairs / pairs_too" in problem.message and "loss_mode=pairs" in problem.message
+    assert unread_loss_keys({"loss_mode": "flow_grpo", "beta": 5000.0}, table, defaults) == []
+    assert unread_loss_keys({"loss_mode": "pairs_too", "beta": 10.0}, table, defaults) == []
+
+
 def test_a_recipe_reward_validates_without_the_recipe_and_resolves_by_name_in_a_fresh_process(tiny_sd3_dir):
     """A process that only meets the name (a Ray rollout worker scoring a procedural prompt file) finds the recipe's
     reward through the installed entry point; validation accepts the name without importing the recipe."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES, LOSSES
+from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES, LOSSES, LossEntry
 from omni_core.config.schema import DiffusionLossConfig
 
 
@@ -26,7 +29,8 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 actor.diffusion_loss.loss_mode,
             )
         )
-    p += _unread_loss_keys(actor.diffusion_loss)
+    defaults = {key: f.default for key, f in DiffusionLossConfig.model_fields.items()}
+    p += unread_loss_keys(actor.diffusion_loss.model_dump(), LOSSES, defaults)
     if config.algorithm.adv_estimator not in ADV_ESTIMATOR_NAMES:
         p.append(
             ConfigProblem(
@@ -69,21 +73,24 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     return p
 
 
-def _unread_loss_keys(loss: DiffusionLossConfig) -> list[ConfigProblem]:
-    """A loss's own key set away from its default while another loss trains: accepted, it would do nothing."""
-    chosen = LOSSES.get(loss.loss_mode)
+def unread_loss_keys(
+    loss: Mapping[str, Any], losses: Mapping[str, LossEntry], defaults: Mapping[str, Any]
+) -> list[ConfigProblem]:
+    """The `diffusion_loss` section's keys that belong to other losses than `loss["loss_mode"]` and are set away from
+    their `defaults`: accepted, they would do nothing. `losses` is the registry table (`LOSSES`)."""
+    chosen = losses.get(loss["loss_mode"])
     read = set(chosen.options) if chosen else set()
-    p = []
-    for name, entry in LOSSES.items():
+    readers: dict[str, list[str]] = {}
+    for name, entry in losses.items():
         for key in entry.options:
-            value = getattr(loss, key)
-            if key not in read and value != DiffusionLossConfig.model_fields[key].default:
-                p.append(
-                    ConfigProblem(
-                        f"actor_rollout_ref.actor.diffusion_loss.{key}",
-                        f"is read only by loss_mode {name}, and this run trains with {loss.loss_mode}; "
-                        f"set actor_rollout_ref.actor.diffusion_loss.loss_mode={name}, or drop the key",
-                        value,
-                    )
-                )
-    return p
+            readers.setdefault(key, []).append(name)
+    return [
+        ConfigProblem(
+            f"actor_rollout_ref.actor.diffusion_loss.{key}",
+            f"is read only by loss_mode {' / '.join(names)}, and this run trains with {loss['loss_mode']}; "
+            f"set actor_rollout_ref.actor.diffusion_loss.loss_mode={names[0]}, or drop the key",
+            loss[key],
+        )
+        for key, names in readers.items()
+        if key not in read and loss[key] != defaults[key]
+    ]
