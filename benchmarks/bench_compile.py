@@ -267,7 +267,7 @@ def data_parallel_check(model: Path, strategies: list[str], steps: int = 2) -> d
     import ray
 
     from omni_core.rollout.sampler import generate
-    from omni_core.training_ranks import TrainingRanks
+    from omni_core.workers.training_ranks import TrainingRanks
 
     torch.set_num_threads(1)
     base = [f"actor_rollout_ref.model.path={model}", *DP_OVERRIDES]

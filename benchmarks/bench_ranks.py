@@ -57,8 +57,8 @@ from omni_core.rewards.manager import RewardManager  # noqa: E402
 from omni_core.rollout.sampler import generate  # noqa: E402
 from omni_core.rollout.sampling_params import SamplingParams  # noqa: E402
 from omni_core.rollout.trajectory import Trajectory  # noqa: E402
-from omni_core.training_ranks import TrainingRanks  # noqa: E402
 from omni_core.workers.training_actor import PROCESS_GROUP_BACKENDS, TrainingActor  # noqa: E402
+from omni_core.workers.training_ranks import TrainingRanks  # noqa: E402
 
 SCHEMA_VERSION = 1
 TIMEOUT_S = 900  # every Ray wait is bounded

@@ -16,7 +16,7 @@ For each model (``--models``) and training mode (``lora``: rank 32 on flow_grpo'
    ``train``, ``--updates`` PPO updates (old log-probs + ``ppo_update`` with the TrainingActor's step function):
    samples/s and the first on-policy ratio (``actor/ratio_mean`` before the weights move: ~1);
 4. ``fsdp2_train`` (``actor.strategy=fsdp2`` on one rank): a process group of this process alone (NCCL; gloo on
-   CPU), a fresh training copy sharded with ``omni_core.workers.fsdp2.shard_transformer`` (parameters gathered in
+   CPU), a fresh training copy sharded with ``omni_core.distributed.fsdp2.shard_transformer`` (parameters gathered in
    the compute dtype, gradients reduced in fp32), the same PPO updates on the same trajectory as the training
    actor runs them (root ``reshard()`` before the update, ``no_gradient_sync`` between micro-batches): samples/s,
    the first ratio, finite loss / grad norm, the first grad norm against ``train``'s, and ``full_trainable_state``
@@ -69,11 +69,11 @@ from omni_core.algorithms.update import (  # noqa: E402
     nonfinite_metrics,
     ppo_update,
 )
+from omni_core.distributed import fsdp2  # noqa: E402
 from omni_core.models.policy import FlowPolicy  # noqa: E402
 from omni_core.models.published_configs import build_published_pipeline, published_model  # noqa: E402
 from omni_core.rollout.sampler import generate, score_transitions  # noqa: E402
 from omni_core.rollout.trajectory import Trajectory  # noqa: E402
-from omni_core.workers import fsdp2  # noqa: E402
 
 SCHEMA_VERSION = 1
 NEEDS_GPU = "gpu_smoke.py needs an NVIDIA GPU (torch.cuda.is_available() is False); run it on a CUDA machine"

@@ -12,7 +12,7 @@ Ray cluster it started. What keeps that prompt and clean:
   so its `fit_epoch` gives its GPU slot back and stops writing; the last checkpoint is the last complete one
   (checkpoints are written to a temporary folder and renamed).
 - `stop_epoch` asks, never cancels: `ray.cancel` of a task whose reply is being handled aborts the whole
-  process in Ray 2.60 (`omni_core.run_control` says why), and a stop is handled exactly when an epoch ends more
+  process in Ray 2.60 (`omni_core.distributed.run_control` says why), and a stop is handled exactly when an epoch ends more
   often than not. The epoch sees the request before its next step; a step blocked in an actor call ends when the
   run's actors are killed after `STOP_REQUEST_GRACE_S`.
 - `stop_signals_held`: the few statements between two waits that hand Prefect a task's inputs to serialise run
@@ -85,7 +85,7 @@ def stop_epoch(ref: Any, names: WorkerNames, reason: str) -> None:
     which ends that call, and give it `STOP_UNWIND_WAIT_S` to unwind."""
     import ray
 
-    from omni_core.run_control import kill_run_actors, request_stop
+    from omni_core.distributed.run_control import kill_run_actors, request_stop
 
     with contextlib.suppress(Exception):
         request_stop(names, reason)
@@ -135,7 +135,7 @@ def close_after_cancel_or_crash(flow: Any, flow_run: Any, state: Any) -> None:
         return  # a runner process: the flow ran (and ended) in its own process
     import ray
 
-    from omni_core import ray_cluster
+    from omni_core.distributed import ray_cluster
 
     if not ray.is_initialized():
         return

@@ -31,9 +31,9 @@ from pydantic import BaseModel, Field
 
 from omni_core.config import OmniFlowConfig, resolve_config
 from omni_core.device import auto_set_device
+from omni_core.distributed.ray_cluster import connect_ray
 from omni_core.evaluation import evaluation_records
 from omni_core.models.architectures import ARCHITECTURES
-from omni_core.ray_cluster import connect_ray
 from omni_core.reports.cards import evaluation_card
 
 # The names of `ARCHITECTURES`, spelled out: a Literal is what gives the Prefect form its choices and type checkers

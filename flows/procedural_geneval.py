@@ -31,7 +31,7 @@ from omniflow.tasks.publish_reports import publish_card
 from omniflow.tasks.validate_config import validate_config
 from pydantic import BaseModel, Field
 
-from omni_core.ray_cluster import connect_ray
+from omni_core.distributed.ray_cluster import connect_ray
 from omni_core.recipes.procedural_geneval.data import CaptionBias, DataDesign, LabelNoise
 from omni_core.recipes.procedural_geneval.report import guard_drop, headline, report_markdown
 from omni_core.recipes.procedural_geneval.stages import reward_curve, rl_config_file, rl_overrides

@@ -64,7 +64,7 @@ class AgentLoopManager:
         max_restarts: int = 3,
     ) -> AgentLoopManager:
         """Start one rollout worker per entry of `options` (its Ray resources and placement; see
-        `omni_core.worker_pool.actor_options`), from the flow process, so they outlive any one task, without
+        `omni_core.distributed.worker_pool.actor_options`), from the flow process, so they outlive any one task, without
         waiting for them: their imports and model loads overlap the training ranks' (`wait_ready` waits).
         `num_threads` torch threads each: `rollout_threads`, never a count that follows the worker count."""
         from omni_core.workers.rollout_worker import RolloutWorker  # diffusers: only where workers start

@@ -40,7 +40,7 @@ _NOT_RETRYABLE = (
     "IncompleteGroupsError",
     "RewardFailureError",
     "RunOutOfMemoryError",
-    "RunStopRequested",  # Ctrl-C, SIGTERM, a UI cancel (omni_core.run_control): also when it made an actor call fail
+    "RunStopRequested",  # Ctrl-C, SIGTERM, a UI cancel (omni_core.distributed.run_control): also when it made an actor call fail
     "TransferQueueCapacityError",
 )
 # What torch (CUDA: "CUDA out of memory"; CPU allocator: "not enough memory" / "can't allocate memory") and

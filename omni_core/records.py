@@ -43,7 +43,7 @@ class WorkerNames:
 
     @property
     def run_control(self) -> str:
-        """The run's stop request (`omni_core.run_control`)."""
+        """The run's stop request (`omni_core.distributed.run_control`)."""
         return f"omniflow-{self.run_id}-run-control"
 
 

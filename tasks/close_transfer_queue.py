@@ -7,7 +7,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from omni_core.ray_cluster import close_run
+from omni_core.distributed.ray_cluster import close_run
 from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
 
 

@@ -4,10 +4,10 @@ A function of (config, epoch, last checkpoint): it rebuilds the controller, find
 name, restarts from the last checkpoint written before a failure (the actor reloads it if its
 weights moved past it; stale TransferQueue rows are cleared), trains the epoch holding a GPU slot
 (`gpu_slots`: runs sharing a Prefect server queue for the devices), saves its checkpoint, and publishes
-the epoch's metrics table and checkpoint card as artifacts. A stop of the run (`omni_core.run_control`) ends it
+the epoch's metrics table and checkpoint card as artifacts. A stop of the run (`omni_core.distributed.run_control`) ends it
 Cancelled, never retried. The trainer's log lines go to the run's log as they happen: its own (`log_callback`), those of `omni_core` loggers in this
 process (a `CallbackHandler` for the task's duration), and the actors' (training ranks, rollout workers),
-which the trainer drains after every step (`omni_core.worker_logs`).
+which the trainer drains after every step (`omni_core.distributed.worker_logs`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from prefect.states import Cancelled, State
 
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
+from omni_core.distributed.run_control import RunStopRequested
+from omni_core.distributed.worker_logs import omni_core_logs_to
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.cards import checkpoint_card, epoch_metrics_rows
-from omni_core.run_control import RunStopRequested
 from omni_core.trainers import build_diffusion_trainer
-from omni_core.worker_logs import omni_core_logs_to
 
 
 @task(

@@ -13,7 +13,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact
 
 from omni_core.config import OmniFlowConfig
-from omni_core.ray_cluster import connect_run_cluster
+from omni_core.distributed.ray_cluster import connect_run_cluster
 
 
 @task(name="init_ray", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_infrastructure_failures)

@@ -169,7 +169,7 @@ def test_the_walk_sees_every_section_and_the_runtime_files():
         assert key in leaves, key
     assert leaves["ray_kwargs.ray_init._temp_dir"] == "temp_dir"
     files = {f.relative_to(ROOT).as_posix() for f in runtime_files()}
-    assert "omni_core/ray_cluster.py" in files and "flows/main_diffusion_v1.py" in files
+    assert "omni_core/distributed/ray_cluster.py" in files and "flows/main_diffusion_v1.py" in files
     assert not [f for f in files if f.startswith(NOT_RUNTIME)]
 
 

@@ -14,8 +14,8 @@ from omni_core.models.placement import rollout_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
-from omni_core.training_ranks import TrainingRanks, merge_rank_metrics
 from omni_core.workers.training_actor import TrainingActor
+from omni_core.workers.training_ranks import TrainingRanks, merge_rank_metrics
 
 pytestmark = pytest.mark.timeout(600)
 

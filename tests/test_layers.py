@@ -40,8 +40,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("rewards", {"rewards"}),
     ("algorithms", {"algorithms"}),
     ("checks and evaluation", {"validation", "evaluation"}),
-    ("distributed", {"ray_cluster", "ray_auth", "worker_pool", "shared_storage", "worker_logs", "run_control"}),
-    ("workers", {"workers", "training_ranks", "agent_loop"}),
+    ("distributed", {"distributed"}),
+    ("workers", {"workers", "agent_loop"}),
     ("trainers", {"trainers"}),
     ("recipes", {"recipes"}),
 ]

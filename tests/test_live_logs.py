@@ -101,7 +101,7 @@ def test_run_logs_arrive_while_the_epoch_runs(prefect_api, ray_cluster, transfer
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-    from omni_core.ray_cluster import dashboard_url
+    from omni_core.distributed.ray_cluster import dashboard_url
 
     (tmp_path / "train.txt").write_text("a red circle\na blue square\na green dot\na yellow star\n")  # 2 steps of 2
     reward = tmp_path / "first_fails.py"

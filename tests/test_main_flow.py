@@ -221,7 +221,7 @@ def test_asking_for_a_gpu_fails_fast_with_the_key(flows, flow_overrides, tmp_pat
 
 def test_cluster_device_check_names_the_key():
     from omni_core.config import ConfigError, load_config
-    from omni_core.ray_cluster import check_cluster_devices
+    from omni_core.distributed.ray_cluster import check_cluster_devices
 
     cfg = load_config(overrides=["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
     with pytest.raises(ConfigError) as err:

@@ -188,9 +188,9 @@ def test_verl_reward_model_keys_enable_false_is_taken_the_vllm_judge_is_refused(
 
 
 def test_every_node_must_read_the_model_rewards_folders_but_not_a_servers_url(clip_dir, tiny_sd3_dir, tmp_path):
-    """The multi-node storage check (`omni_core.shared_storage`) lists what each node opens: a model reward's
+    """The multi-node storage check (`omni_core.distributed.shared_storage`) lists what each node opens: a model reward's
     config.json and head, a reward file; a server term and verl-omni's HTTP client entry open nothing."""
-    from omni_core.shared_storage import files_every_node_reads
+    from omni_core.distributed.shared_storage import files_every_node_reads
 
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text("def compute_score(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")

@@ -74,7 +74,7 @@ def test_a_run_joined_by_address_trains_with_its_actors_on_both_nodes_and_a_stop
     from test_cli_runs import _latest, _wait_for
 
     from omni_core.checkpoint import find_latest, verify_checkpoint
-    from omni_core.shared_storage import PROBE_PREFIX, PROBE_TASK_NAME
+    from omni_core.distributed.shared_storage import PROBE_PREFIX, PROBE_TASK_NAME
 
     cluster, _ = two_nodes
     ckpt = tmp_path / "ckpt"  # one folder both "nodes" of this machine see: shared storage
@@ -140,7 +140,7 @@ _JOIN = """
 import json, sys
 import ray.util.state
 from omni_core.config import ConfigError, load_config
-from omni_core.ray_cluster import start_run_cluster
+from omni_core.distributed.ray_cluster import start_run_cluster
 
 address, model = sys.argv[1], sys.argv[2]
 overrides = [f"ray_kwargs.ray_init.address={address}", "trainer.default_local_dir=~/omniflow-ckpt", f"actor_rollout_ref.model.path={model}"]
@@ -188,7 +188,7 @@ def test_a_checkpoint_folder_one_node_does_not_see_fails_the_run_naming_that_nod
 def test_a_probe_is_read_back_by_name_and_removing_it_removes_only_the_folders_it_made(tmp_path):
     """The three rounds of the check in one process (each node runs the same functions)."""
     from omni_core.config import load_config
-    from omni_core.shared_storage import PROBE_PREFIX, look, remove_probe, write_probe
+    from omni_core.distributed.shared_storage import PROBE_PREFIX, look, remove_probe, write_probe
 
     folder = tmp_path / "a" / "b"
     trainer = load_config(overrides=[f"trainer.default_local_dir={folder}"]).trainer

@@ -62,7 +62,7 @@ def test_actors_get_the_gpu_share_and_bundle_the_plan_gives_them(ray_cluster):
     import ray
     from ray.util.state import list_placement_groups
 
-    from omni_core.worker_pool import actor_options, create_pool, pool_name, remove_pool
+    from omni_core.distributed.worker_pool import actor_options, create_pool, pool_name, remove_pool
 
     two = {"trainer.device": "cuda", "trainer.n_gpus_per_node": 2, "actor_rollout_ref.rollout.agent.num_workers": 2}
     cfg = _config(**two, **{"actor_rollout_ref.hybrid_engine": False})
@@ -96,7 +96,7 @@ def test_actors_get_the_gpu_share_and_bundle_the_plan_gives_them(ray_cluster):
 
 
 def test_an_unreservable_plan_fails_with_the_bundles_instead_of_hanging(ray_cluster):
-    from omni_core.worker_pool import create_pool
+    from omni_core.distributed.worker_pool import create_pool
 
     cfg = _config(**{"trainer.device": "cuda", "trainer.n_gpus_per_node": 3})
     with pytest.raises(RuntimeError, match="could not reserve the run's resources"):

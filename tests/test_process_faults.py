@@ -33,9 +33,9 @@ def test_repeated_init_stages_reuse_the_run_actors(ray_cluster, transfer_queue, 
 
     from omni_core.config import load_config
     from omni_core.data.prompts import PromptRecord
+    from omni_core.distributed.worker_pool import pool_name
     from omni_core.records import RunInfo
     from omni_core.trainers import build_diffusion_trainer
-    from omni_core.worker_pool import pool_name
 
     # Separate rollout workers (not the hybrid engine's ranks): actors of their own that a retry must reuse.
     overrides = [*flow_overrides, "actor_rollout_ref.hybrid_engine=false", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
@@ -68,7 +68,7 @@ def test_a_retried_cluster_start_still_owns_the_ray_cluster_it_started(tmp_path)
         """
         import ray
         from omni_core.config import load_config
-        from omni_core.ray_cluster import close_run, start_run_cluster
+        from omni_core.distributed.ray_cluster import close_run, start_run_cluster
 
         cfg = load_config(overrides=["ray_kwargs.ray_init.num_cpus=8", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"])
         first = start_run_cluster(cfg).owns_ray

@@ -17,8 +17,8 @@ from omni_core.algorithms.update import PPOUpdateConfig, StepOutput, ppo_update
 from omni_core.config import load_config
 from omni_core.rollout.sampler import generate
 from omni_core.rollout.sampling_params import SamplingParams
-from omni_core.training_ranks import merge_rank_metrics
 from omni_core.workers.training_actor import TrainingActor
+from omni_core.workers.training_ranks import merge_rank_metrics
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ def _flow_run_logs(flow_run_id) -> list[str]:
 
 def test_dashboard_address_is_in_the_run_log(flow_reference, ray_cluster):
     state, _, _ = flow_reference
-    from omni_core.ray_cluster import dashboard_url
+    from omni_core.distributed.ray_cluster import dashboard_url
 
     url = dashboard_url()
     assert url and url.startswith("http://127.0.0.1:")
@@ -44,7 +44,7 @@ def test_ray_task_and_actor_names_match_prefect_tasks_and_roles(flow_reference, 
         if result.run_id in (a.name or "")
     }
     # The lean config runs verl's hybrid engine: the training actor is also the rollout worker (test_hybrid_engine);
-    # the run's control actor holds a stop request (omni_core.run_control).
+    # the run's control actor holds a stop request (omni_core.distributed.run_control).
     assert actors == {
         f"omniflow-{result.run_id}-training-actor": "TrainingActor",
         f"omniflow-{result.run_id}-run-control": "RunControl",

@@ -170,7 +170,7 @@ def test_a_deployment_run_refuses_a_reward_file_outside_the_allowed_folders_and_
 _JOIN = """
 import sys
 from omni_core.config import load_config
-from omni_core.ray_cluster import close_run, start_run_cluster
+from omni_core.distributed.ray_cluster import close_run, start_run_cluster
 
 cfg = load_config(overrides=[f"ray_kwargs.ray_init.address={sys.argv[1]}", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"])
 cluster = start_run_cluster(cfg)
@@ -199,7 +199,7 @@ def _join_a_head(mode: str) -> tuple[str, str]:
 def test_a_joined_cluster_without_token_auth_is_named_in_the_run_log():
     """Two real heads: one with RAY_AUTH_MODE=disabled gets the warning (its address and the fix), one with
     token auth none. The probe is a GCS request without a token, which only the unauthenticated cluster answers."""
-    from omni_core.ray_auth import token_auth_warning
+    from omni_core.distributed.ray_auth import token_auth_warning
 
     address, disabled = _join_a_head("disabled")
     warning = disabled.rsplit("AUTH_WARNING=", 1)[1].strip()

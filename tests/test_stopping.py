@@ -1,4 +1,4 @@
-"""Stopping a running epoch (`flows/cancellation.py`, `omni_core/run_control.py`) never aborts the flow process.
+"""Stopping a running epoch (`flows/cancellation.py`, `omni_core/distributed/run_control.py`) never aborts the flow process.
 
 The race: a stop signal that arrives while the flow waits for an epoch is handled when the wait returns, often the
 moment the epoch's task completes. `ray.cancel` in that window aborted the process in Ray 2.60 (a C++ check in
@@ -79,8 +79,8 @@ def test_stopping_an_epoch_as_it_completes_never_aborts_the_flow_process(ray_clu
 
 @pytest.fixture
 def control(ray_cluster):
+    from omni_core.distributed.run_control import kill_run_actors, start_run_control
     from omni_core.records import WorkerNames
-    from omni_core.run_control import kill_run_actors, start_run_control
 
     names = WorkerNames("omniflow-tests", "stopping-0001")
     handle = start_run_control(names)  # owned here: the actor lives while this handle does
@@ -104,8 +104,8 @@ def test_a_stop_request_ends_an_epoch_before_its_next_step(control, tmp_path):
     import ray
     from omniflow.flows.cancellation import stop_epoch
 
+    from omni_core.distributed.run_control import RunStopRequested, raise_if_stop_requested
     from omni_core.faults import is_retryable
-    from omni_core.run_control import RunStopRequested, raise_if_stop_requested
 
     @ray.remote(num_cpus=0, max_retries=0)
     def epoch(names, started):
@@ -133,8 +133,8 @@ def test_a_step_blocked_in_an_actor_call_ends_when_the_stop_kills_the_run_actors
     import ray
     from omniflow.flows.cancellation import STOP_REQUEST_GRACE_S, STOP_UNWIND_WAIT_S, stop_epoch
 
+    from omni_core.distributed.run_control import RunStopRequested, raise_if_stop_requested, run_actor_names
     from omni_core.faults import is_retryable
-    from omni_core.run_control import RunStopRequested, raise_if_stop_requested, run_actor_names
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Rank:

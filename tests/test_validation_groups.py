@@ -12,7 +12,7 @@ import pytest
 
 from omni_core.config import ConfigError, load_config
 from omni_core.device import accelerator_driver_present
-from omni_core.ray_cluster import check_cluster_devices
+from omni_core.distributed.ray_cluster import check_cluster_devices
 from omni_core.resources import run_resource_budget
 from omni_core.validation import config_problems, prepare_run_config
 
@@ -128,7 +128,7 @@ def test_a_local_cluster_that_declares_too_few_gpus_is_a_config_problem(tiny_sd3
 
 # ------------------------------------------------------------------------------------ ray.init arguments
 def test_ray_init_arguments_reach_ray_init_and_env_vars_merge_with_the_users_winning(monkeypatch):
-    from omni_core.ray_cluster import NAMESPACE, PASSED_ENV_VARS, ray_init_kwargs
+    from omni_core.distributed.ray_cluster import NAMESPACE, PASSED_ENV_VARS, ray_init_kwargs
 
     for name in PASSED_ENV_VARS:
         monkeypatch.delenv(name, raising=False)

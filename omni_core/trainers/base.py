@@ -39,6 +39,9 @@ from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import PromptRecord
+from omni_core.distributed.run_control import kill_run_actors, raise_if_stop_requested, start_run_control
+from omni_core.distributed.worker_logs import ActorLogs
+from omni_core.distributed.worker_pool import actor_options, create_pool, remove_pool
 from omni_core.faults import is_out_of_memory, out_of_memory_error
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
@@ -47,13 +50,10 @@ from omni_core.rewards.failures import check_failure_share
 from omni_core.rollout.group_refill import group_refill_metrics
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
-from omni_core.run_control import kill_run_actors, raise_if_stop_requested, start_run_control
 from omni_core.tq import client as tqc
 from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
-from omni_core.training_ranks import TrainingRanks
 from omni_core.validation.paths import checkpoint_folder_problems
-from omni_core.worker_logs import ActorLogs
-from omni_core.worker_pool import actor_options, create_pool, remove_pool
+from omni_core.workers.training_ranks import TrainingRanks
 
 if TYPE_CHECKING:
     from omni_core.trainers.rollout_feed import RolloutFeed
@@ -109,8 +109,8 @@ class PolicyGradientDiffusionTrainerV1:
         # Called with (logging level, message) for every controller and worker log line, as it happens;
         # the Prefect layer sends them to the run's log. Without it they go to the `omni_core.trainer` logger.
         self.log_callback: Callable[[int, str], None] | None = None
-        self._actor_logs = ActorLogs()  # the actors' own `omni_core` log records (omni_core.worker_logs)
-        self._run_control: Any = None  # `omni_core.run_control.RunControl`, created by `init` (the flow process)
+        self._actor_logs = ActorLogs()  # the actors' own `omni_core` log records (omni_core.distributed.worker_logs)
+        self._run_control: Any = None  # `omni_core.distributed.run_control.RunControl`, created by `init` (the flow process)
         self.feed = self.feed_cls(self)
 
     # ------------------------------------------------------------------------ sizes

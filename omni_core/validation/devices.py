@@ -1,7 +1,7 @@
 """Devices and Ray resources: devices requested vs present, the `ray.init` arguments, and the run's budget.
 
 The budget is `omni_core.resources.run_resource_budget`, the same one the cluster check uses once Ray
-is up (`omni_core.ray_cluster.check_cluster_devices`), so the two can never disagree.
+is up (`omni_core.distributed.ray_cluster.check_cluster_devices`), so the two can never disagree.
 """
 
 from __future__ import annotations

@@ -37,12 +37,12 @@ from omni_core.algorithms.update import (
     ppo_update,
 )
 from omni_core.config import OmniFlowConfig
+from omni_core.distributed import fsdp2
 from omni_core.models import lora
 from omni_core.models.placement import training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.rollout.sampler import TransitionScore, score_transitions
 from omni_core.rollout.trajectory import Trajectory
-from omni_core.workers import fsdp2
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from omni_core.checkpoint.layout import EMA_NAME, CheckpointError
 from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.device import PROCESS_GROUP_BACKENDS
+from omni_core.distributed import fsdp2, process_group
 from omni_core.faults import is_peer_rank_lost
 from omni_core.models.placement import module_placement
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.trajectory import Trajectory
-from omni_core.workers import fsdp2, process_group
 from omni_core.workers.colocated_rollout import ColocatedRollout
 from omni_core.workers.policy_trainer import PolicyTrainer, rollout_probs_diff
 from omni_core.workers.rollout_worker import RolloutResult

@@ -26,8 +26,8 @@ from typing import Any
 import ray
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
+from omni_core.distributed.ray_auth import accepts_unauthenticated_requests, gcs_address_of, token_auth_warning
 from omni_core.quiet import drop_library_notices
-from omni_core.ray_auth import accepts_unauthenticated_requests, gcs_address_of, token_auth_warning
 from omni_core.resources import run_resource_budget
 from omni_core.tq.client import TQ_NUM_THREADS_DEFAULT
 
@@ -228,7 +228,7 @@ def connect_run_cluster(config: OmniFlowConfig) -> RunCluster:
     A failure after this call started a local cluster stops that cluster again, so a retry starts clean.
     """
     global _started_ray
-    from omni_core.shared_storage import check_shared_storage
+    from omni_core.distributed.shared_storage import check_shared_storage
 
     _started_ray = connect_ray(config) or (_started_ray and ray.is_initialized())
     try:

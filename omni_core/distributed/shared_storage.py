@@ -185,7 +185,7 @@ def _on_nodes(nodes: Sequence[Participant], fn: Any, args_of: Any, timeout_s: fl
             results[node] = ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             # The probes that did not run are left to end with the run (no ray.cancel: cancelling a task whose reply
-            # is being handled aborts the process in Ray 2.60; omni_core.run_control says why).
+            # is being handled aborts the process in Ray 2.60; omni_core.distributed.run_control says why).
             raise TimeoutError(
                 f"{node} did not run OmniFlow's shared-storage probe (a task with no CPU reservation) within "
                 f"{timeout_s:.0f}s; check that the node is healthy (`ray status`)"
