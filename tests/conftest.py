@@ -173,19 +173,20 @@ def pytest_runtest_call(item):
 def ray_cluster():
     import ray
 
+    from omni_core.distributed.ray_cluster import NO_PRESTARTED_WORKERS
+
     if not ray.is_initialized():
         # The dashboard runs so that Ray's state API (actor and task names) can be checked. Two logical GPUs
         # let the placement tests check GPU requests and placement-group bundles on this CPU machine. No idle
-        # workers started ahead (as a run's own cluster does, omni_core.distributed.ray_cluster): the runs' tasks and
-        # actors start their own (another runtime_env), so those only cost CPU (an idle cluster: 4.8 CPU-s a minute
-        # with them, 3.3 without them and without metrics collection).
+        # workers started ahead, as in a run's own cluster (an idle cluster: 4.8 CPU-s a minute with them, 3.3 without
+        # them and without metrics collection).
         ray.init(
             num_cpus=16,
             num_gpus=2,
             include_dashboard=True,
             namespace=RAY_TEST_NAMESPACE,
             log_to_driver=True,
-            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+            _system_config=dict(NO_PRESTARTED_WORKERS),
         )
     yield ray
     ray.shutdown()

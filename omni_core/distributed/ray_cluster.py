@@ -56,6 +56,12 @@ PASSED_ENV_VARS = (
 )
 
 
+# Ray starts idle Python workers ahead of any task (one per core) for the job's default environment; the run's tasks
+# and actors start their own processes (another runtime_env), so those idle ones only cost start-up CPU and ~45 MB PSS
+# each (measured on 2 cores: 2 idle workers in every run, never used).
+NO_PRESTARTED_WORKERS = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 def worker_runtime_env(user_env: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run's Ray `runtime_env`: `ray_kwargs.ray_init.runtime_env` with OmniFlow's env vars merged in.
 
@@ -87,10 +93,7 @@ def ray_init_kwargs(config: OmniFlowConfig, namespace: str = NAMESPACE) -> dict[
         "object_store_memory": init.object_store_memory,
         "_temp_dir": init.temp_dir,
         "include_dashboard": init.include_dashboard,
-        # Ray starts idle Python workers ahead of any task (one per core) for the job's default environment; the run's
-        # tasks and actors start their own processes (another runtime_env), so those idle ones only cost start-up CPU
-        # and ~45 MB PSS each (measured on 2 cores: 2 idle workers in every run, never used).
-        "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+        "_system_config": dict(NO_PRESTARTED_WORKERS),  # a copy: ray.init adds its spilling keys to the dict it gets
     }
     return {**{k: v for k, v in local.items() if v is not None}, **kwargs}
 
