@@ -140,11 +140,29 @@ def test_the_schedule_is_deterministic_through_a_sigkill_and_a_killed_rollout_wo
 
 
 SLOW_REWARD = """
+import json
 import time
+from pathlib import Path
+
+LOG_DIR = Path({log_dir!r})
+HOLD_UNTIL_STEP = {hold_until_step}
+HOLD_AT_MOST_S = {hold_at_most_s}
+_held_since = []  # when the first sample of the slow group was scored
+
+
+def _steps_logged():
+    count = 0
+    for log in LOG_DIR.glob("*/metrics.jsonl"):
+        count += sum(1 for line in log.read_text().splitlines() if '"critic/rewards/mean"' in line)
+    return count
+
 
 def compute_score(data_source, solution_image, ground_truth=None, extra_info=None):
-    if ground_truth == "slow":
-        time.sleep(2.0)  # per sample: this prompt's group of 4 takes 8 s to score
+    if ground_truth == "slow":  # held until the trainer has logged HOLD_UNTIL_STEP steps, HOLD_AT_MOST_S at most
+        _held_since[:] = _held_since or [time.monotonic()]
+        deadline = _held_since[0] + HOLD_AT_MOST_S
+        while _steps_logged() < HOLD_UNTIL_STEP and time.monotonic() < deadline:
+            time.sleep(0.05)
     return float(solution_image.float().mean() / 255) if hasattr(solution_image, "float") else 0.5
 """
 
@@ -153,11 +171,14 @@ def compute_score(data_source, solution_image, ground_truth=None, extra_info=Non
 def test_a_slow_prompt_group_is_dropped_or_waited_for(
     strategy, flow_overrides, tmp_path, prefect_api, ray_cluster, transfer_queue
 ):
-    """Two rollout workers, 4 prompts, one of whose rewards takes 8 s per group (a custom reward that sleeps),
-    threshold 1 version. The fast worker keeps the trainer going with the next groups, so the slow group is
-    2 versions stale by the time it is scored. `drop`: it is cleared and counted (4 samples) and one more
-    prompt batch is put; `wait`: sampling holds for it while it is still 1 version stale, so nothing is dropped
-    and that step waits. Either way no trained trajectory is over the threshold."""
+    """Two rollout workers, 4 prompts with one batch each, threshold 1 version, weights published every step. The
+    slow prompt ("a green dot", put at step 2 with version 1) has a custom reward that holds its group until the
+    trainer has logged step 3, so what happens does not depend on timing:
+    `drop`: step 3 trains the fast prompt put after it, so the slow group is first seen finished at step 4, 2
+    versions stale: it is cleared and counted (4 samples) and one more prompt batch is put and trained.
+    `wait`: at step 3 the slow group is in flight and would pass the threshold by step 4, so sampling holds for it
+    (its reward lets go after 10 s, as step 3 never comes) and step 3 trains it, 1 version stale, instead of the
+    fast prompt that is ready. Either way no trained trajectory is over the threshold."""
     import json
 
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
@@ -168,9 +189,11 @@ def test_a_slow_prompt_group_is_dropped_or_waited_for(
         for p, gt in [("a red circle", "fast"), ("a blue square", "fast"), ("a green dot", "slow"), ("a pink star", "fast")]
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = tmp_path / "slow_reward.py"
-    reward.write_text(SLOW_REWARD)
     ckpt = tmp_path / "ckpt"
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(
+        SLOW_REWARD.format(log_dir=str(ckpt / "logs"), hold_until_step=3, hold_at_most_s=300 if strategy == "drop" else 10)
+    )
     overrides = [
         *flow_overrides,
         *[o for o in ASYNC if not o.startswith("trainer.save_freq")],
@@ -198,4 +221,5 @@ def test_a_slow_prompt_group_is_dropped_or_waited_for(
     else:
         assert sum(dropped) == 0.0, dropped
         assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) <= 1.0
-        assert max(r["timing_s/gen"] for r in records) > 4.0  # the step that waited for the slow group
+        # step 3 waited for the slow group (version 1) rather than train the fast one put at step 3 (version 2)
+        assert records[2]["training/off_policy/trajectory_staleness/max"] == 1.0, records[2]
