@@ -10,7 +10,8 @@ Ray cluster it started. What keeps that prompt and clean:
   handler runs only when that call returns: measured, a run cancelled mid-epoch went on to the epoch's end
   and its processes took 31 s to go). When the wait is interrupted, the epoch is stopped first (`stop_epoch`),
   so its `fit_epoch` gives its GPU slot back and stops writing; the last checkpoint is the last complete one
-  (checkpoints are written to a temporary folder and renamed).
+  (checkpoints are written to a temporary folder and renamed). With `trainer.epoch_timeout_s`, the same wait stops
+  the epoch once its deadline has passed (`EpochDeadlinePassed`; the flow fails with `EpochTimeoutError`).
 - `stop_epoch` asks, never cancels: `ray.cancel` of a task whose reply is being handled aborts the whole
   process in Ray 2.60 (`omni_core.distributed.run_control` says why), and a stop is handled exactly when an epoch ends more
   often than not. The epoch sees the request before its next step; a step blocked in an actor call ends when the
@@ -49,18 +50,28 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("omniflow.cancellation")
 
 
-def wait_for_epoch(future: Any, names: WorkerNames, timeout_s: float) -> Any:
-    """`future.result(timeout_s)` of a `fit_epoch` on Ray, waiting in `WAIT_SLICE_S` slices; interrupted (a
-    cancellation, Ctrl-C, SIGTERM), it stops the run's epoch (`stop_epoch`) before re-raising."""
+class EpochDeadlinePassed(Exception):
+    """`wait_for_epoch`'s deadline passed; the epoch has been stopped."""
+
+
+def wait_for_epoch(future: Any, names: WorkerNames, deadline: float | None = None) -> Any:
+    """`future.result()` of a `fit_epoch` on Ray, waiting in `WAIT_SLICE_S` slices until it is done or, with a
+    `deadline` (`time.monotonic()` seconds), until then: `EpochDeadlinePassed` once the epoch has been stopped
+    (`stop_epoch`). Interrupted (a cancellation, Ctrl-C, SIGTERM), it stops the run's epoch before re-raising."""
     import ray
 
     ref = future.wrapped_future
-    deadline = time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline:
+        while True:
             ready, _ = ray.wait([ref], timeout=WAIT_SLICE_S)
             if ready:
                 break
+            if deadline is not None and time.monotonic() >= deadline:
+                with stop_signals_held():
+                    stop_epoch(ref, names, "the epoch's time bound (trainer.epoch_timeout_s) passed")
+                raise EpochDeadlinePassed()
+    except EpochDeadlinePassed:
+        raise
     except BaseException as exc:
         # A signal handled inside Ray's C call surfaces as a SystemError caused by the signal's own exception (Prefect's
         # TerminationSignal, KeyboardInterrupt): that is the stop, and it is what is raised, so the engine sees a
@@ -76,7 +87,7 @@ def wait_for_epoch(future: Any, names: WorkerNames, timeout_s: float) -> Any:
         if stop is not exc:
             raise stop from None
         raise
-    return future.result(timeout=max(0.0, deadline - time.monotonic()))
+    return future.result()
 
 
 def stop_epoch(ref: Any, names: WorkerNames, reason: str) -> None:

@@ -29,9 +29,10 @@ import datetime
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 
-from omniflow.flows.cancellation import close_after_cancel_or_crash, stop_signals_held, wait_for_epoch
+from omniflow.flows.cancellation import EpochDeadlinePassed, close_after_cancel_or_crash, stop_signals_held, wait_for_epoch
 from omniflow.flows.events import RewardWatch, emit_epoch_events, emit_run_failed
 from omniflow.flows.library_use import flow_with_embedded_api
 from omniflow.tasks.build_trainer import build_trainer
@@ -56,13 +57,11 @@ from pydantic import BaseModel, Field
 from omni_core.checkpoint import RunLock
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
-from omni_core.faults import is_transfer_queue_lost
+from omni_core.faults import epoch_timeout_error, is_transfer_queue_lost
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.plots import step_noise
 from omni_core.validation.paths import validate_resume
 
-# `.result()` of an epoch is bounded too; a hung epoch fails the run instead of holding it forever.
-EPOCH_RESULT_TIMEOUT_S = 6 * 3600
 REWARD_WINDOW = 3  # steps averaged for the "first" and "last" reward of a run
 # New TransferQueues per epoch after a controller or storage unit died (each redoes the epoch from its checkpoint).
 MAX_TRANSFER_QUEUE_RESTARTS = 2
@@ -136,14 +135,19 @@ def fit(
     )
     results = []
     watch = RewardWatch(config.trainer.alerts.reward_regression_drop)  # the run's best validation reward, across epochs
+    timeout_s = config.trainer.epoch_timeout_s
     for epoch in range(start_epoch, end_epoch):
+        # trainer.epoch_timeout_s bounds the epoch, Prefect's retries and TransferQueue restarts included (null: no bound)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for restarts in range(MAX_TRANSFER_QUEUE_RESTARTS + 1):
             # Ray's own task retries stay off: Prefect's (from the last checkpoint, infrastructure failures only) are the only ones.
             with remote_options(max_retries=0), stop_signals_held():  # a stop lands after the inputs are serialised
                 future = fit_epoch.submit(config, run, epoch, train, val, resume_from, str(progress))
             try:
-                results.append(wait_for_epoch(future, run.names, EPOCH_RESULT_TIMEOUT_S))  # a stop ends it at once
+                results.append(wait_for_epoch(future, run.names, deadline))  # a stop ends it at once
                 break
+            except EpochDeadlinePassed:
+                raise epoch_timeout_error(epoch, timeout_s or 0.0) from None
             except Exception as exc:
                 if restarts == MAX_TRANSFER_QUEUE_RESTARTS or not is_transfer_queue_lost(exc):
                     raise

@@ -37,6 +37,7 @@ _RAY_INFRASTRUCTURE = (
 # that this module imports neither the rewards nor the config package).
 _NOT_RETRYABLE = (
     "ConfigError",
+    "EpochTimeoutError",
     "IncompleteGroupsError",
     "RewardFailureError",
     "RunOutOfMemoryError",
@@ -54,6 +55,19 @@ _PEER_LOST_TEXT = ("connection closed by peer", "connection reset by peer", "rem
 
 class RunOutOfMemoryError(RuntimeError):
     """An out-of-memory failure with the settings that lower the memory a step needs (never retried)."""
+
+
+class EpochTimeoutError(RuntimeError):
+    """An epoch ran past `trainer.epoch_timeout_s` and was stopped (never retried: a retry would take as long)."""
+
+
+def epoch_timeout_error(epoch: int, timeout_s: float) -> EpochTimeoutError:
+    """The error of an epoch stopped at its bound: what happened and what to change."""
+    return EpochTimeoutError(
+        f"epoch {epoch} ran past trainer.epoch_timeout_s={timeout_s:g} s (its retries included) and was stopped; it is "
+        "not retried, a retry would take as long. The last checkpoint is kept: raise trainer.epoch_timeout_s, or set "
+        "it to null (no bound), and start the run again to resume from it."
+    )
 
 
 def exception_chain(exc: BaseException) -> Iterator[BaseException]:

@@ -36,7 +36,6 @@ from omni_core.trainers import build_diffusion_trainer
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_infrastructure_failures,
-    timeout_seconds=6 * 3600,
 )
 def fit_epoch(
     config: OmniFlowConfig,

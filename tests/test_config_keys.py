@@ -222,3 +222,14 @@ def test_bypass_mode_works_with_the_default_calculate_log_probs(tiny_sd3_dir):
         overrides=[model, "algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false"]
     )
     assert [p.key for p in config_problems(off, CPU_ONLY)] == ["algorithm.rollout_correction.bypass_mode"]
+
+
+def test_the_epoch_bound_is_off_by_default_and_positive_when_set():
+    """`trainer.epoch_timeout_s`: no bound unless asked (an epoch may run for days); 0 or less is refused."""
+    from omni_core.config import ConfigError, load_config
+
+    assert load_config().trainer.epoch_timeout_s is None
+    assert load_config(overrides=["trainer.epoch_timeout_s=86400"]).trainer.epoch_timeout_s == 86400.0
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["trainer.epoch_timeout_s=0"])
+    assert err.value.keys == ["trainer.epoch_timeout_s"]

@@ -163,3 +163,45 @@ def test_a_step_blocked_in_an_actor_call_ends_when_the_stop_kills_the_run_actors
         ray.get(ref)
     assert not is_retryable(err.value)
     assert run_actor_names(control) == [control.run_control]  # the rank is gone, the request stays readable
+
+
+def test_an_epoch_past_its_deadline_is_stopped_and_reported_as_a_timeout_not_retried(control, tmp_path):
+    """`trainer.epoch_timeout_s`: the flow's wait for an epoch that would run for a minute passes its deadline, stops
+    the epoch the way a cancel does (it ends with `RunStopRequested`), and raises `EpochDeadlinePassed`, which the
+    flow turns into an `EpochTimeoutError` naming the key; neither is retried. Without a deadline the same wait
+    returns the epoch's result."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+    from omniflow.flows.cancellation import STOP_REQUEST_GRACE_S, EpochDeadlinePassed, wait_for_epoch
+
+    from omni_core.distributed.run_control import RunStopRequested, raise_if_stop_requested
+    from omni_core.faults import epoch_timeout_error, is_retryable
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def epoch(names, started, steps):
+        started.touch()
+        for step in range(steps):
+            raise_if_stop_requested(names, f"before step {step + 1}")
+            time.sleep(0.01)
+        return "completed"
+
+    def future(ref):  # what wait_for_epoch reads of prefect-ray's future
+        return SimpleNamespace(wrapped_future=ref, result=lambda: ray.get(ref))
+
+    done = epoch.remote(control, tmp_path / "short", 5)
+    assert wait_for_epoch(future(done), control) == "completed"
+
+    ref = epoch.remote(control, tmp_path / "started", 60 * 100)
+    _wait_for_file(tmp_path / "started")
+    start = time.monotonic()
+    with pytest.raises(EpochDeadlinePassed):
+        wait_for_epoch(future(ref), control, deadline=start + 1.0)
+    assert time.monotonic() - start < 1.0 + STOP_REQUEST_GRACE_S + 5.0
+    assert ray.wait([ref], timeout=0)[0], "the epoch was still running after the deadline"
+    with pytest.raises(RunStopRequested, match="time bound"):
+        ray.get(ref)
+    error = epoch_timeout_error(3, 7200.0)
+    assert "epoch 3 ran past trainer.epoch_timeout_s=7200 s" in str(error) and "null" in str(error)
+    assert not is_retryable(error)

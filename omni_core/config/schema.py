@@ -490,6 +490,7 @@ class TrainerConfig(ConfigModel):
     resume_from_path: str | None = _t("resume_from_path")
     default_local_dir: str | None = _t("default_local_dir")
     max_actor_ckpt_to_keep: PositiveInt | None = _t("max_actor_ckpt_to_keep")
+    epoch_timeout_s: PositiveFloat | None = _t("epoch_timeout_s")
     use_v1: bool = _t("use_v1")
     concurrency: ConcurrencyConfig = _t.section("concurrency", ConcurrencyConfig)
     alerts: AlertsConfig = _t.section("alerts", AlertsConfig)
