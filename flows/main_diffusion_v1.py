@@ -9,7 +9,9 @@ The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
   3. build_trainer        get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config); called after stage 4,
                           since its run record carries the prompt-embeddings file
   4. load_tokenizer, prepare_dataset, prepare_prompt_embeddings   (cached across runs; the text encoders
-                          embed every prompt once, so they never stay on a worker's device)
+                          embed every prompt once, so they never stay on a worker's device); the run's GPU
+                          slots (`trainer.concurrency`, tasks/gpu_slots.py) are taken before the first model
+                          load and given back after stage 8
   5. init_trainer         trainer.init(): dataloader, training actor on Ray, checkpoint resume
   6. init_agent_loop      the rollout workers
   7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried; an epoch that lost the
@@ -24,6 +26,7 @@ the flow starts). CLI: `python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -38,6 +41,7 @@ from omniflow.flows.library_use import flow_with_embedded_api
 from omniflow.tasks.build_trainer import build_trainer
 from omniflow.tasks.close_transfer_queue import close_transfer_queue
 from omniflow.tasks.fit_epoch import fit_epoch
+from omniflow.tasks.gpu_slots import gpu_slots
 from omniflow.tasks.init_agent_loop import init_agent_loop
 from omniflow.tasks.init_ray import init_ray
 from omniflow.tasks.init_trainer import init_trainer
@@ -203,12 +207,15 @@ def main_diffusion_v1(
         # once this run holds the folder, before Ray starts; the trainer hashes every byte when it loads it.
         validate_resume(cfg)
         owns_ray, trainer, queue = False, None, None
+        # The run's GPU slots (trainer.concurrency): taken before the first model load, given back after the close.
+        gpus = contextlib.ExitStack()
         try:
             owns_ray = init_ray(cfg)
             warm_epoch_worker()
             queue = init_transfer_queue.submit(cfg)
             tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
             train, val = prepare_dataset(cfg.data, tokenizer)
+            gpus.enter_context(gpu_slots(cfg, "the run"))
             embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)
             run = dataclasses.replace(run, prompt_embeddings=embeddings)
             trainer = build_trainer(cfg, run)
@@ -223,9 +230,10 @@ def main_diffusion_v1(
             resume_from, start_step = trainer.resume_from, trainer.global_step
             epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.end_epoch)
         finally:
-            if queue is not None:
-                queue.wait(timeout=QUEUE_START_TIMEOUT_S)  # a start still running would race the close
-            close_transfer_queue(trainer, owns_ray)
+            with gpus:
+                if queue is not None:
+                    queue.wait(timeout=QUEUE_START_TIMEOUT_S)  # a start still running would race the close
+                close_transfer_queue(trainer, owns_ray)
     result = summarize(run, epochs, resume_from, start_step)
     publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)
     return result

@@ -129,6 +129,44 @@ def run_resource_budget(config: Any) -> ResourceBudget:
     return ResourceBudget(cpus=cpus, gpus=gpus)
 
 
+# ------------------------------------------------------------------------------------ GPU slots
+AUTO_GPU_LIMIT = "auto"  # trainer.concurrency.gpu_limit: one limit per host (local cluster) or per joined Ray cluster
+_LIMIT_NAME_FORBIDDEN = "/%&><"  # characters a Prefect global concurrency limit's name may not hold
+
+
+@dataclass(frozen=True)
+class GpuSlotRequest:
+    """What a run holds of a Prefect global concurrency limit from its first model load until it closes."""
+
+    limit: str  # the limit's name
+    occupy: int  # slots the run holds: its GPUs (at least 1)
+    size: int  # the limit's size when the run creates it (an existing limit keeps its own)
+
+
+def gpu_limit_name(cluster: str) -> str:
+    """`omniflow-gpu-<cluster>` for `trainer.concurrency.gpu_limit: auto`: `cluster` is the host name for a cluster the
+    run starts on its own machine, the GCS address for a cluster it joins, so runs on other machines never wait."""
+    label = "".join("-" if c in _LIMIT_NAME_FORBIDDEN or c.isspace() else c for c in cluster)
+    return f"omniflow-gpu-{label}"
+
+
+def gpu_slot_request(config: Any, cluster: str, cluster_gpus: int, gpus: int | None = None) -> GpuSlotRequest | None:
+    """The GPU slots a run of `config` holds (`trainer.concurrency`), or None: no limit (`gpu_limit: null`), or a run on
+    no GPU under `auto`. `gpus`: the devices this work uses (default: the run's, `run_resource_budget`); `cluster`
+    and `cluster_gpus`: the Ray cluster's label (see `gpu_limit_name`) and its GPU count, the size of a new limit
+    unless `gpu_limit_size` is set. A named limit is shared by whoever names it, and a CPU run holds one slot of it."""
+    cc = config.trainer.concurrency
+    if cc.gpu_limit is None:
+        return None
+    gpus = run_resource_budget(config).gpus if gpus is None else gpus
+    if cc.gpu_limit == AUTO_GPU_LIMIT and gpus == 0:
+        return None
+    name = gpu_limit_name(cluster) if cc.gpu_limit == AUTO_GPU_LIMIT else cc.gpu_limit
+    occupy = max(1, gpus)
+    size = cc.gpu_limit_size if cc.gpu_limit_size is not None else max(occupy, cluster_gpus)
+    return GpuSlotRequest(limit=name, occupy=occupy, size=size)
+
+
 # ------------------------------------------------------------------------------------ placement plan
 @dataclass(frozen=True)
 class ActorSlot:

@@ -1,12 +1,12 @@
 """Pipeline stage 3 — `evaluate_policy`: sample and score the validation prompts with one set of weights
 (verl-omni's `_validate()` on a loaded checkpoint, outside the training run), as a Ray task on the run's
-device (the `evaluate` flow connects Ray), holding a GPU slot (`gpu_slots`)."""
+device (the `evaluate` flow connects Ray), holding a GPU slot while it runs (`gpu_slots`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omniflow.tasks.gpu_slots import gpu_slot
+from omniflow.tasks.gpu_slots import gpu_slots
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -27,7 +27,7 @@ def evaluate_policy(
     label: str,
 ) -> tuple[float, str]:
     """(mean reward, grid PNG path): rows of the grid are prompts, columns their samples."""
-    with gpu_slot(config.trainer.concurrency, f"evaluate_policy-{label}"):
+    with gpu_slots(config, f"evaluate_policy-{label}", gpus=1 if config.trainer.device != "cpu" else 0):
         report = evaluate_on_ray(config, records, checkpoint, seed, samples_per_prompt)
     grid = save_image_grid(report.images, Path(grid_path), ncols=samples_per_prompt)
     print(f"{label}: mean reward {report.mean_reward:.6f} over {report.rewards.numel()} samples -> {grid}")

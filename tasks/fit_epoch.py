@@ -2,8 +2,8 @@
 
 A function of (config, epoch, last checkpoint): it rebuilds the controller, finds the run's actors by
 name, restarts from the last checkpoint written before a failure (the actor reloads it if its
-weights moved past it; stale TransferQueue rows are cleared), trains the epoch holding a GPU slot
-(`gpu_slots`: runs sharing a Prefect server queue for the devices), saves its checkpoint, and publishes
+weights moved past it; stale TransferQueue rows are cleared), trains the epoch (the flow holds the run's GPU
+slots, `gpu_slots`), saves its checkpoint, and publishes
 the epoch's metrics table and checkpoint card as artifacts. A stop of the run (`omni_core.distributed.run_control`) ends it
 Cancelled, never retried. The trainer's log lines go to the run's log as they happen: its own (`log_callback`), those of `omni_core` loggers in this
 process (a `CallbackHandler` for the task's duration), and the actors' (training ranks, rollout workers),
@@ -12,7 +12,6 @@ which the trainer drains after every step (`omni_core.distributed.worker_logs`).
 
 from __future__ import annotations
 
-from omniflow.tasks.gpu_slots import gpu_slot
 from omniflow.tasks.publish_reports import publish_card, publish_validation_grids
 from omniflow.tasks.retry_policy import retry_infrastructure_failures
 from prefect import get_run_logger, task
@@ -56,8 +55,7 @@ def fit_epoch(
                 progress_artifact_id, progress=100.0 * step / total
             )
         try:
-            with gpu_slot(config.trainer.concurrency, f"fit_epoch-{epoch}"):
-                result = trainer.fit_epoch(epoch)
+            result = trainer.fit_epoch(epoch)
         except RunStopRequested as stop:  # Ctrl-C, SIGTERM or a UI cancel of the run: not a failure to retry
             return Cancelled(message=str(stop))
     _publish(result)

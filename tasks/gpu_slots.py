@@ -1,22 +1,28 @@
-"""GPU slots: the GPU-heavy tasks (`fit_epoch`, `evaluate_policy`) run inside `gpu_slot(...)`, which holds one slot of
-a Prefect global concurrency limit (`trainer.concurrency.gpu_limit`, default `omniflow-gpu`), so that runs sharing
-a Prefect server queue for the devices instead of oversubscribing them.
+"""GPU slots: a run holds slots of a Prefect global concurrency limit from its first model load until it closes
+(`main_diffusion_v1`), one per GPU it uses, and the pipeline's `evaluate_policy` one while it runs, so that runs
+aimed at the same GPUs queue instead of running out of memory.
 
-The limit is created on first use with `trainer.concurrency.gpu_limit_size` slots; an existing one keeps its size
-(the UI's Concurrency page or `prefect gcl update` changes it). The slot is a lease of `SLOT_LEASE_S`, renewed while
-the task runs: a holder killed without releasing it (a SIGKILLed Ray worker) frees it when the lease runs out. Runs
-outside Prefect take no slot; the checkpoint folder's RunLock guards every run.
+Which limit and how many slots is `omni_core.resources.gpu_slot_request` (`trainer.concurrency`): by default
+`omniflow-gpu-<host>` for a Ray cluster the run starts on its machine, `omniflow-gpu-<GCS address>` for a cluster it
+joins, and no slot for a run on no GPU. The limit is created on first use (its size: `gpu_limit_size`, else the
+cluster's GPUs); an existing one keeps its size (the UI's Concurrency page or `prefect gcl update` changes it), and
+a run that needs more slots than it has is refused instead of waiting forever. The slots are a lease of
+`SLOT_LEASE_S`, renewed while they are held: a holder killed without releasing them (a SIGKILLed flow process) frees
+them when the lease runs out. Runs outside Prefect take no slot; the checkpoint folder's RunLock guards every run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Iterator
 
 from prefect import get_run_logger
 
-from omni_core.config.schema import ConcurrencyConfig
+from omni_core.config import OmniFlowConfig
+from omni_core.config.errors import ConfigError, ConfigProblem
+from omni_core.resources import gpu_slot_request
 
 # The shortest lease Prefect's server grants (its minimum): how long a slot outlives a holder that was killed.
 SLOT_LEASE_S = 60.0
@@ -38,18 +44,43 @@ def ensure_gpu_limit(name: str, size: int) -> int:
         return client.read_global_concurrency_limit_by_name(name).limit
 
 
+def ray_cluster_label(config: OmniFlowConfig) -> tuple[str, int]:
+    """(label, GPUs) of the run's Ray cluster: this host's name for a local cluster, the GCS address of a joined one."""
+    import ray
+
+    if not ray.is_initialized():
+        return socket.gethostname(), 0
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    joined = bool(config.ray_kwargs.ray_init.address)
+    return (ray.get_runtime_context().gcs_address if joined else socket.gethostname()), gpus
+
+
 @contextlib.contextmanager
-def gpu_slot(cfg: ConcurrencyConfig, what: str) -> Iterator[None]:
-    """Within: one slot of `cfg.gpu_limit` (nothing when it is null); the wait and the hold go to the run's log."""
-    if cfg.gpu_limit is None:
+def gpu_slots(config: OmniFlowConfig, what: str, gpus: int | None = None) -> Iterator[None]:
+    """Within: the slots `gpu_slot_request` gives `config` (`gpus`: the devices this work uses, default the run's);
+    nothing (and no log line) when it gives none. The wait and the hold go to the run's log."""
+    request = gpu_slot_request(config, *ray_cluster_label(config), gpus=gpus)
+    if request is None:
         yield
         return
     from prefect.concurrency.sync import concurrency
 
     log = get_run_logger()
-    size = ensure_gpu_limit(cfg.gpu_limit, cfg.gpu_limit_size)
-    log.info(f"{what}: waiting for a slot of global concurrency limit {cfg.gpu_limit!r} ({size} slot(s))")
+    size = ensure_gpu_limit(request.limit, request.size)
+    if size < request.occupy:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "trainer.concurrency.gpu_limit",
+                    f"{what} needs {request.occupy} slots (one per GPU) of global concurrency limit {request.limit!r}, "
+                    f"which has {size}: it would wait forever. Raise the limit (`prefect gcl update {request.limit} "
+                    f"--limit {request.occupy}`, or the UI's Concurrency page) or name another one",
+                    request.limit,
+                )
+            ]
+        )
+    log.info(f"{what}: waiting for {request.occupy} slot(s) of global concurrency limit {request.limit!r} ({size} slot(s))")
     asked = time.monotonic()
-    with concurrency(cfg.gpu_limit, occupy=1, lease_duration=SLOT_LEASE_S, strict=True):
-        log.info(f"{what}: took a slot of {cfg.gpu_limit!r} after {time.monotonic() - asked:.1f} s")
+    with concurrency(request.limit, occupy=request.occupy, lease_duration=SLOT_LEASE_S, strict=True):
+        log.info(f"{what}: took {request.occupy} slot(s) of {request.limit!r} after {time.monotonic() - asked:.1f} s")
         yield

@@ -5,7 +5,8 @@ limit 1, ENQUEUE) and a global concurrency limit of one slot:
 
 1. the test takes the only slot of the GPU limit (playing another run's GPU work), then triggers run A
    (one epoch) and, once A runs, run B (the same experiment: it resumes A's checkpoint);
-2. A's `fit_epoch-0` waits for the slot; the test gives it back; A trains and writes its first checkpoint;
+2. A asks for the slot before it loads any model (its log says so; it has no `init_trainer` task yet); the test
+   gives it back; A holds it from then on, trains and writes its first checkpoint;
    B waits meanwhile in AwaitingConcurrencySlot (the deployment's limit);
 3. A is cancelled through the API (as `prefect flow-run cancel` does) after its first checkpoint, mid-epoch
    (one epoch of STEPS steps, a checkpoint after each; the run's reward, a file of the test's, holds step 2's
@@ -63,6 +64,8 @@ class Scenario:
     ckpt: Path
     runs: dict[str, Any] = field(default_factory=dict)
     slot_released_at: float = 0.0  # wall clock (epoch seconds) when the test gave its GPU slot back
+    model_tasks_before_slot: list[Any] = field(default_factory=list)  # A's model-loading task runs while it waited
+    active_slots_mid_run: int = -1  # at A's first checkpoint
     a_processes: list[Any] = field(default_factory=list)  # A's flow process and its descendants, before the cancel
     cancel_requested_at: float = 0.0  # monotonic
     processes_gone_after_s: float = -1.0
@@ -172,8 +175,12 @@ def scenario(tmp_path_factory, flow_overrides):
             )
             s.runs["B"] = _poll("B, triggered by the parent", lambda: _other_run(client, dep.id, s.runs["A"].id), 120, s.log)
 
-            # 2. A's first epoch asks for the slot the test holds (its log says so); then the test gives it back.
-            _poll("A's fit_epoch-0 waiting", lambda: _slot_logs(client, s.runs["A"].id)[0], RUN_TIMEOUT_S, s.log, every_s=0.5)
+            # 2. A asks for the slot the test holds (its log says so) before loading a model; the test gives it back.
+            _poll("A waiting for the slot", lambda: _slot_logs(client, s.runs["A"].id)[0], RUN_TIMEOUT_S, s.log, every_s=0.5)
+            time.sleep(1.0)  # had A gone on without the slot, its next task would start now
+            s.model_tasks_before_slot = [
+                t for name in ("prepare_prompt_embeddings", "init_trainer") if (t := _task_run(client, [s.runs["A"].id], name))
+            ]
             s.slot_released_at = time.time()
             release.set()
             holder.join(30)
@@ -181,6 +188,7 @@ def scenario(tmp_path_factory, flow_overrides):
             # 3. After A's first checkpoint, mid-epoch: cancel it.
             _poll("A's first checkpoint", lambda: (s.ckpt / "latest_checkpointed_iteration.txt").is_file(), RUN_TIMEOUT_S, s.log)
             s.a_processes = _run_tree(serve.pid)
+            s.active_slots_mid_run = client.read_global_concurrency_limit_by_name(GPU_LIMIT).active_slots
             s.cancel_requested_at = time.monotonic()
             client.set_flow_run_state(s.runs["A"].id, Cancelling(message="cancelled by the test"))
         with contextlib.suppress(AssertionError):
@@ -222,13 +230,10 @@ def _deployment_or_none(url: str) -> Any:
 
 
 def _slot_logs(client: Any, flow_run_id: Any) -> tuple[list[Any], list[Any]]:
-    """The log records of A's `fit_epoch-0` that say it waits for a slot of GPU_LIMIT, and that it took one."""
-    fit = _task_run(client, [flow_run_id], "fit_epoch-0")
-    if fit is None:
-        return [], []
-    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fit.flow_run_id])))
-    waiting = [r for r in logs if f"waiting for a slot of global concurrency limit '{GPU_LIMIT}'" in r.message]
-    return waiting, [r for r in logs if f"took a slot of '{GPU_LIMIT}'" in r.message]
+    """The log records of run `flow_run_id` that say it waits for its slot of GPU_LIMIT, and that it took it."""
+    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    waiting = [r for r in logs if f"waiting for 1 slot(s) of global concurrency limit '{GPU_LIMIT}'" in r.message]
+    return waiting, [r for r in logs if f"took 1 slot(s) of '{GPU_LIMIT}'" in r.message]
 
 
 def _running(client: Any, flow_run_id: Any, task_name: str) -> bool:
@@ -273,12 +278,16 @@ def test_cancelled_runs_gpu_slot_is_free_and_its_checkpoint_verifies(scenario):
 
 
 # ----------------------------------------------------------------------------- concurrency
-def test_first_epoch_waited_for_the_gpu_slot(scenario):
+def test_the_run_waited_for_the_gpu_slot_before_loading_a_model_and_held_it_while_it_ran(scenario):
     with api(scenario.url) as client:
         waiting, took = _slot_logs(client, scenario.runs["A"].id)
     assert waiting and took
-    # It asked while the test held the only slot, and got it only after the test gave it back.
+    # It asked while the test held the only slot, and got it only after the test gave it back ...
     assert waiting[0].timestamp.timestamp() < scenario.slot_released_at <= took[0].timestamp.timestamp()
+    # ... before any model was loaded (the prompt embeddings' text encoders, the actors' models) ...
+    assert scenario.model_tasks_before_slot == []
+    # ... and held it while it trained; its close gave it back (test_cancelled_runs_gpu_slot_is_free_...)
+    assert scenario.active_slots_mid_run == 1
 
 
 def test_second_run_waited_for_the_first_then_resumed_its_checkpoint(scenario):

@@ -466,7 +466,7 @@ _cc = _Section("trainer.concurrency")
 
 class ConcurrencyConfig(ConfigModel):
     gpu_limit: Annotated[str, Field(min_length=1, pattern=r"^[^/%&><]+$")] | None = _cc("gpu_limit")
-    gpu_limit_size: PositiveInt = _cc("gpu_limit_size")
+    gpu_limit_size: PositiveInt | None = _cc("gpu_limit_size")
 
 
 _t = _Section("trainer")
