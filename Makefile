@@ -17,8 +17,9 @@ install: $(STAMP)
 # The main job: build the tiny SD3-family model if absent, then fine-tune it with Flow-GRPO
 # (jpeg_compressibility reward) as the Prefect flow main_diffusion_v1 on a local Ray cluster.
 # Every SDE step but the last is trained (window null): learning a newcomer can see (docs/running.md, "The main job");
-# the library defaults keep Flow-GRPO-Fast's window of 2 for speed.
-RUN_OVERRIDES ?= actor_rollout_ref.rollout.algo.sde_window_size=null actor_rollout_ref.rollout.algo.sde_window_range=null
+# the library defaults keep Flow-GRPO-Fast's window of 2 for speed. Validation runs before training and after the
+# last step (test_freq=24, the run's steps), so the summary shows the validation reward before and after.
+RUN_OVERRIDES ?= actor_rollout_ref.rollout.algo.sde_window_size=null actor_rollout_ref.rollout.algo.sde_window_range=null trainer.test_freq=24
 run: install
 	@[ -f $(MODEL)/model_index.json ] || $(PYTHON) -m omniflow.flows.cli make-tiny-model $(MODEL)
 	$(PYTHON) -m omniflow.flows.cli train actor_rollout_ref.model.path=$(MODEL) $(RUN_OVERRIDES)

@@ -81,6 +81,10 @@ class TrainResult(BaseModel):
     global_step: int = Field(description="Steps trained in total.")
     final_metrics: dict[str, float] = Field(description="Metrics of the last step.")
     val_metrics: dict[str, float] = Field(default_factory=dict, description="Metrics of the last validation.")
+    val_before_train: dict[str, float] = Field(
+        default_factory=dict, description="Metrics of the validation before training (trainer.val_before_train), if any."
+    )
+    val_step: int | None = Field(default=None, description="The step of the last validation (0: before training).")
     reward_first: float = Field(description=f"Mean critic/rewards/mean of the first {REWARD_WINDOW} steps of this run.")
     reward_last: float = Field(description=f"Mean critic/rewards/mean of the last {REWARD_WINDOW} steps of this run.")
     reward_step_noise: float | None = Field(
@@ -119,7 +123,13 @@ def make_run_info(config: OmniFlowConfig) -> RunInfo:
     flow_run_id = str(runtime.flow_run.id or "local")[:8]
     run_id = f"{config.trainer.experiment_name}-{flow_run_id}"
     root = config.trainer.checkpoint_dir.resolve()
-    return RunInfo(run_id=run_id, namespace="omniflow", checkpoint_dir=str(root), log_dir=str(root / "logs" / run_id))
+    return RunInfo(
+        run_id=run_id,
+        namespace="omniflow",
+        checkpoint_dir=str(root),
+        log_dir=str(root / "logs" / run_id),
+        started_at=time.time(),
+    )
 
 
 @flow(name="fit", task_runner=RayTaskRunner(), log_prints=True)
@@ -246,12 +256,20 @@ def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None =
     first = rewards[:REWARD_WINDOW]
     last = rewards[-REWARD_WINDOW:]
     val = next((e.val_metrics for e in reversed(epochs) if e.val_metrics), {})
+    validations = [(step, metrics) for e in epochs for step, _, metrics in e.val_grids]
+    if validations:  # every validation of this run, in step order (its grids carry the metrics)
+        val_step, val = validations[-1]
+    else:
+        val_step = 0 if val else None
+    before = next((metrics for step, metrics in validations if step == 0), {})
     return TrainResult(
         run_id=run.run_id,
         final_checkpoint=next((e.checkpoint for e in reversed(epochs) if e.checkpoint), resume_from),
         global_step=epochs[-1].global_step if epochs else start_step,
         final_metrics=steps[-1] if steps else {},
         val_metrics=val,
+        val_before_train=before,
+        val_step=val_step,
         reward_first=sum(first) / len(first) if first else math.nan,
         reward_last=sum(last) / len(last) if last else math.nan,
         reward_step_noise=None if math.isnan(noise := step_noise(rewards)) else noise,

@@ -209,13 +209,29 @@ def run_flow_from_cli(command: str, flow_path: str, parameters: Mapping[str, Any
             return 130
         finally:
             shutdown_ray()
-        if api.ui_url:
-            print(f"{command}: flow run {api.ui_url}/runs/flow-run/{state.state_details.flow_run_id}", flush=True)
+        closing = _closing_line(command, api, state.state_details.flow_run_id)
         if not state.is_completed() and _was_stopped(state):
             print(f"{command}: {_INTERRUPTED}", file=sys.stderr)
             return 130
         if not state.is_completed():
             print(f"{command}: run {state.name}: {state.message}", file=sys.stderr)
+            if closing:
+                print(closing, flush=True)
             return 1
         report(state.result())
+        if closing:
+            print(closing, flush=True)
     return 0
+
+
+def _closing_line(command: str, api: Any, flow_run_id: Any) -> str | None:
+    """Where to browse the finished run: the link on a server of the user's own (it stays up); for the embedded API,
+    which stops with this process, the command that serves its database again and the link then."""
+    if not api.ui_url:
+        return None
+    if api.server is None:
+        return f"{command}: the run in the Prefect UI: {api.ui_url}/runs/flow-run/{flow_run_id}"
+    return (
+        f"{command}: browse the run (the Prefect API of this run has stopped): PREFECT_HOME={os.environ.get('PREFECT_HOME')} "
+        f"prefect server start, then open http://127.0.0.1:4200/runs/flow-run/{flow_run_id}"
+    )

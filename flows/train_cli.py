@@ -7,7 +7,6 @@ this prints where the checkpoints, metrics and artifacts are and how the reward 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -52,8 +51,22 @@ def _report(result: Any) -> None:
     if noise:  # how far the change stands out of the step-to-step noise
         verdict += f" by {change / noise:+.1f} x the step-to-step noise sd {noise:.6f}"
     print(f"  mean reward, last steps:  {result.reward_last:.6f}  ({verdict})")
-    if result.val_metrics:
-        print(f"  validation:       {result.val_metrics}")
-    home = os.environ.get("PREFECT_HOME")
-    if home:
-        print(f"  browse past runs: PREFECT_HOME={home} prefect server start  (then open http://127.0.0.1:4200)")
+    for line in validation_lines(result):
+        print(f"  {line}")
+
+
+def validation_lines(result: Any) -> list[str]:
+    """The validation rewards of the run, labelled: before training (step 0) and after (the last validation)."""
+    before, last, step = result.val_before_train, result.val_metrics, result.val_step
+    lines = []
+    if before:
+        lines.append(f"validation before training: {_metrics_text(before)}")
+    if last and step:
+        lines.append(f"validation after step {step}:  {_metrics_text(last)}")
+    elif before:
+        lines.append("no validation after training (set trainer.test_freq=N to validate every N steps and at the end)")
+    return lines
+
+
+def _metrics_text(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:.6f}" for key, value in sorted(metrics.items()))

@@ -62,6 +62,7 @@ class RunInfo:
     checkpoint_dir: str
     log_dir: str
     prompt_embeddings: str | None = None
+    started_at: float | None = None  # wall clock (time.time()) when the run started: the console's elapsed time
 
     @property
     def names(self) -> WorkerNames:

@@ -81,6 +81,19 @@ class _Span:
         self.timer.timing[self.name] = self.timer.timing.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
+ETA_WINDOW = 10  # the console's ETA: the mean time of this many last steps, times the steps left
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`: a console duration."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class Tracking:
     """Logs step metrics, validation images and the final model to the backends named in `trainer.logger`."""
 
@@ -93,9 +106,11 @@ class Tracking:
         console_sink: Callable[[str], None] | None = None,
         resume_step: int | None = None,
         run: TrackerRun | None = None,
+        started_at: float | None = None,
     ):
-        """`console` lines go to `console_sink` when given, else to `stream` (default stdout). `run`: the tracker
-        run the `wandb` and `mlflow` backends log to (required with either).
+        """`console` lines go to `console_sink` when given, else to `stream` (default stdout), with the time since
+        `started_at` (wall clock, the run's start) and an ETA from the mean of the last steps' times. `run`: the
+        tracker run the `wandb` and `mlflow` backends log to (required with either).
 
         `resume_step`: the step a (retried or resumed) epoch restarts from. Records of later steps, written by
         the try that failed, are dropped (metrics.jsonl and val_generations.jsonl rewritten without them;
@@ -108,6 +123,8 @@ class Tracking:
         self.backends = list(backends)
         self.log_dir = Path(log_dir)
         self.total_steps = total_steps
+        self.started_at = started_at
+        self._step_seconds: list[float] = []  # timing_s/step of the steps logged, for the console's ETA
         self.stream = stream or sys.stdout
         self.console_sink = console_sink
         self._tb = None
@@ -247,10 +264,18 @@ class Tracking:
         done = min(step, self.total_steps) if self.total_steps else step
         filled = int(width * done / self.total_steps) if self.total_steps else 0
         bar = "#" * filled + "." * (width - filled)
-        keys = ("critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "timing_s/step")
-        shown = " ".join(f"{k.split('/', 1)[1]}={m[k]:.4g}" for k in keys if k in m)
-        val = " ".join(f"{k}={v:.4g}" for k, v in m.items() if k.startswith("val-core/"))
-        return f"[{bar}] step {step}/{self.total_steps} {shown} {val}".rstrip()
+        keys = ("critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm")
+        parts = [f"{k.split('/', 1)[1]}={m[k]:.4g}" for k in keys if k in m]
+        if "timing_s/step" in m:
+            self._step_seconds.append(float(m["timing_s/step"]))
+            parts.append(f"step_time={m['timing_s/step']:.1f}s")
+        parts += [f"{k}={v:.4g}" for k, v in m.items() if k.startswith("val-core/")]
+        if self.started_at is not None:
+            parts.append(f"elapsed {format_duration(time.time() - self.started_at)}")
+        if self._step_seconds and self.total_steps and step < self.total_steps:
+            recent = self._step_seconds[-ETA_WINDOW:]
+            parts.append(f"ETA {format_duration(sum(recent) / len(recent) * (self.total_steps - step))}")
+        return f"[{bar}] step {step}/{self.total_steps} {' '.join(parts)}".rstrip()
 
     def close(self, failed: bool = False) -> None:
         """Flush and close every backend; `failed`: the epoch ended with an error (wandb exit code 1, mlflow

@@ -364,6 +364,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.total_training_steps,
             console_sink=self.log if self.log_callback is not None else None,
             resume_step=self.global_step,  # a retried epoch replaces the records its failed try wrote
+            started_at=self.run.started_at,
             run=self._tracker_run() if {"wandb", "mlflow"} & set(self.config.trainer.logger) else None,
         )
         try:
