@@ -1,15 +1,28 @@
-# OmniFlow set-up and entry points. `make run` and `make test` each install what is missing first.
-PYTHON ?= python3
-STAMP := .install-stamp
+# OmniFlow set-up and entry points. `make run` and `make test` each install what is missing first, quietly, into the
+# project's own virtual environment .venv (the installer's output goes to .venv/install.log).
+BASE_PYTHON ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.install-stamp
 MODEL ?= models/tiny-sd3
+# The environment's commands (omniflow, prefect, ray) come first for the commands below and what they start.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 
 .PHONY: install run test test-light test-bench lint clean
 
-# torch: keep any installed build (CUDA users bring their own); otherwise the CPU build 2.13.0,
-# because an unpinned torch from PyPI pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
-	$(PYTHON) -m pip install -e ".[dev]"
+# The venv sees the interpreter's own packages (--system-site-packages) so that an installed torch is kept (CUDA
+# users bring their own build); without one, the CPU build torch==2.13.0, because an unpinned torch from PyPI pulls
+# a multi-GB CUDA build. Everything else installs into .venv at the versions of constraints.txt.
+$(PYTHON):
+	@$(BASE_PYTHON) -m venv --system-site-packages $(VENV) || { echo "omniflow: '$(BASE_PYTHON) -m venv' failed; on Debian/Ubuntu: apt install python3-venv"; exit 1; }
+
+$(STAMP): pyproject.toml constraints.txt | $(PYTHON)
+	@echo "omniflow: installing into $(VENV) (the first time takes a few minutes; log: $(VENV)/install.log)"
+	@{ $(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"; \
+	   $(PYTHON) -m pip install -c constraints.txt -e ".[dev]"; } > $(VENV)/install.log 2>&1 \
+	  || { tail -n 25 $(VENV)/install.log; echo "omniflow: the install failed; the whole log: $(VENV)/install.log"; exit 1; }
+	@rm -rf omniflow_rl.egg-info
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -43,4 +56,4 @@ lint: install
 	$(PYTHON) -m ruff check .
 
 clean:
-	rm -rf $(STAMP) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache

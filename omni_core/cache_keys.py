@@ -35,10 +35,13 @@ CODE_FILES: dict[str, tuple[str, ...]] = {
 }
 
 
+DISTRIBUTION = "omniflow-rl"  # the name pip installs OmniFlow under (pyproject.toml); imports and the command: omniflow
+
+
 def omniflow_version() -> str:
     """The installed package's version (`importlib.metadata`), or "unknown" when it is not installed."""
     try:
-        return importlib.metadata.version("omniflow")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
