@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 # How to create each pool of definitions.py, for the error that names a missing one.
 POOL_CREATE = {
     "omniflow-process": "prefect work-pool create omniflow-process --type process",
-    "omniflow-docker": "prefect work-pool create omniflow-docker --type docker  (pip install 'omniflow[docker]')",
+    "omniflow-docker": "prefect work-pool create omniflow-docker --type docker  (pip install 'omniflow-rl[docker]')",
     "omniflow-kubernetes": (
         "prefect work-pool create omniflow-kubernetes --type kubernetes "
-        "--base-job-template examples/cluster/k8s-gpu-base-job-template.json  (pip install 'omniflow[kubernetes]')"
+        "--base-job-template examples/cluster/k8s-gpu-base-job-template.json  (pip install 'omniflow-rl[kubernetes]')"
     ),
 }
 
