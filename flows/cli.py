@@ -56,6 +56,12 @@ def _cmd_reward_server(ns: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    from omni_core.models.hub import shadowed_hub_model
+
+    shadowed = shadowed_hub_model(ns.dir)
+    if shadowed:
+        print(f"omniflow make-tiny-model: refused: {shadowed}", file=sys.stderr)
+        return 2
     if ns.arch == "clip":  # a reward model: CLIP + processor + aesthetic head
         from omni_core.rewards.tiny_clip import AESTHETIC_HEAD_FILE, build_tiny_clip
 
