@@ -126,7 +126,10 @@ def test_a_cached_hub_id_validates(offline_cache):
 @pytest.mark.parametrize(
     ("overrides", "command"),
     [
-        (["actor_rollout_ref.model.path=stabilityai/stable-diffusion-3.5-medium"], "hf download stabilityai/stable-diffusion-3.5-medium --revision main"),
+        (
+            ["actor_rollout_ref.model.path=stabilityai/stable-diffusion-3.5-medium"],
+            "hf download stabilityai/stable-diffusion-3.5-medium --revision main",
+        ),
         ([f"actor_rollout_ref.model.path={REPO}", "actor_rollout_ref.model.revision=v3"], f"hf download {REPO} --revision v3"),
     ],
 )
@@ -188,6 +191,19 @@ def test_the_tokenizer_cache_key_follows_the_resolved_snapshot(offline_cache):
         assert tokenizer_key(_model(f"actor_rollout_ref.model.path={REPO}")) not in (before, tokenizer_key(main))
     finally:
         ref.write_text(MAIN)
+
+
+def test_the_prompt_embeddings_key_follows_the_resolved_snapshots_text_encoders(offline_cache, tiny_sd3_dir):
+    """Keyed on the text-encoder files of the snapshot the id resolves to: the same as the local folder's for main,
+    another for v2 (whose text encoders have other weights)."""
+    from omniflow.tasks.prepare_prompt_embeddings import embeddings_key
+
+    def key(*overrides: str) -> str:
+        return embeddings_key(load_config(overrides=list(overrides)).actor_rollout_ref, "cpu", ["", "a cat"])
+
+    main = key(f"actor_rollout_ref.model.path={REPO}")
+    assert main == key(f"actor_rollout_ref.model.path={tiny_sd3_dir}")
+    assert main != key(f"actor_rollout_ref.model.path={REPO}", "actor_rollout_ref.model.revision=v2")
 
 
 def test_make_tiny_model_refuses_a_hub_id_it_would_shadow(offline_cache, capsys):
