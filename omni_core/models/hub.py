@@ -81,6 +81,7 @@ def download_command(repo_id: str, revision: str | None) -> str:
 def _why(err: Exception, repo_id: str, revision: str | None, key: str, cache: Path, offline: bool) -> str:
     from huggingface_hub.errors import (
         GatedRepoError,
+        HfHubHTTPError,
         IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
@@ -113,12 +114,13 @@ def _why(err: Exception, repo_id: str, revision: str | None, key: str, cache: Pa
             f"this Hugging Face Hub model {at} is not in the Hugging Face cache {cache}{local}, and HF_HUB_OFFLINE=1 "
             f"keeps the run from downloading it: {get}, or set HF_HUB_OFFLINE=0 to let the run download it"
         )
-    if isinstance(err, LocalEntryNotFoundError):
-        return (
-            f"the Hugging Face Hub could not be reached and this model {at} is not in the Hugging Face cache "
-            f"{cache}{local} ({err}); check the network, or {get}"
-        )
-    return f"could not get this Hugging Face Hub model {at} into {cache}: {type(err).__name__}: {err}"
+    if isinstance(err, HfHubHTTPError):  # the Hub answered with another error (5xx, 401 ...)
+        return f"the Hugging Face Hub refused this model {at} ({type(err).__name__}: {err}); {get}"
+    # the Hub could not be reached (DNS, connection, timeout): httpx's errors, or huggingface_hub's wrapping of them
+    return (
+        f"the Hugging Face Hub could not be reached ({type(err).__name__}: {err}) and this model {at} is not in the "
+        f"Hugging Face cache {cache}{local}: {get} on a machine with network, or point {key} at a local folder"
+    )
 
 
 def _snapshot(repo_id: str, revision: str | None, local_only: bool, patterns: list[str] | None, skip: list[str] | None) -> str:
