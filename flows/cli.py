@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-from omniflow.flows.runner import split_files_and_overrides
+from omniflow.flows.runner import QUIET_ENV, split_files_and_overrides
 
 
 def _load(args: Sequence[str]):
@@ -39,6 +40,8 @@ def _cmd_config_schema(ns: argparse.Namespace) -> int:
 def _cmd_validate(ns: argparse.Namespace) -> int:
     from omni_core.validation import prepare_run_config
 
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # train's default: a Hub id must be in the cache already
+        os.environ.setdefault(key, QUIET_ENV[key])
     files, overrides = split_files_and_overrides(ns.args)
     config = prepare_run_config(None, overrides, files)  # exactly what `omniflow train` checks first
     t = config.trainer
@@ -56,6 +59,12 @@ def _cmd_reward_server(ns: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
+    from omni_core.models.hub import shadowed_hub_model
+
+    shadowed = shadowed_hub_model(ns.dir)
+    if shadowed:
+        print(f"omniflow make-tiny-model: refused: {shadowed}", file=sys.stderr)
+        return 2
     if ns.arch == "clip":  # a reward model: CLIP + processor + aesthetic head
         from omni_core.rewards.tiny_clip import AESTHETIC_HEAD_FILE, build_tiny_clip
 

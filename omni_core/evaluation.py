@@ -38,6 +38,7 @@ from omni_core.config import OmniFlowConfig
 from omni_core.config.schema import DataConfig
 from omni_core.data.prompts import PromptRecord, load_prompts
 from omni_core.data_files import DataFileError, as_file_list
+from omni_core.models.hub import model_folder
 from omni_core.models.loader import check_pipeline_folder
 from omni_core.models.model_index import ModelLoadError
 from omni_core.models.placement import rollout_policy_kwargs
@@ -204,11 +205,11 @@ def evaluate_trained_checkpoint(
     config = prepare_run_config(None, overrides, [ckpt.config_file])
     model = config.actor_rollout_ref.model
     try:
-        check_pipeline_folder(model.path, model.architecture)
+        check_pipeline_folder(model_folder(model), model.architecture)
     except ModelLoadError as exc:
         raise RefusedError(
             f"actor_rollout_ref.model.path={model.path} (the base model, from {ckpt.config_file}): {exc}; "
-            f"pass actor_rollout_ref.model.path=DIR"
+            f"pass actor_rollout_ref.model.path=DIR (or a Hugging Face Hub id)"
         ) from exc
     data = config.data
     try:

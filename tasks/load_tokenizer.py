@@ -5,9 +5,10 @@ The cached value is a `TokenizerInfo` (the folder the tokenizer loads from, and 
 JSON rather than a pickled tokenizer: a result file is data, never code that runs when a later run reads it.
 `prepare_dataset` loads the tokenizer again from `TokenizerInfo.path` when it has prompts to check.
 
-Cache key: the sha256 of the tokenizer folder's files plus `model.path` / `model.tokenizer_path` and the
-OmniFlow code version (`cache_keys.code_version`); a changed tokenizer file, another path or an upgrade
-makes it stale, nothing else does.
+Cache key: the sha256 of the tokenizer folder's files plus `model.path` / `model.revision` / `model.tokenizer_path`,
+the snapshot commit a Hub id resolves to (`hub.hub_snapshot`: a new revision of `main` is a new entry, never the
+older one's) and the OmniFlow code version (`cache_keys.code_version`); a changed tokenizer file, another path or
+revision or an upgrade makes it stale, nothing else does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prefect import task
 
 from omni_core.cache_keys import key_of
 from omni_core.config.schema import ModelConfig
+from omni_core.models.hub import TRANSFORMERS_SKIP, hub_snapshot
 from omni_core.models.tokenizer import load_tokenizer as load_model_tokenizer
 from omni_core.models.tokenizer import tokenizer_dir
 
@@ -33,9 +35,20 @@ class TokenizerInfo:
     vocab_size: int
 
 
+def tokenizer_key(model: ModelConfig) -> str:
+    """The cache key of `load_tokenizer(model)` (see the module docstring)."""
+    fields = {
+        "path": model.path,
+        "revision": model.revision,
+        "snapshot": hub_snapshot(model.path, model.revision),
+        "tokenizer_path": model.tokenizer_path,
+        "tokenizer_snapshot": hub_snapshot(model.tokenizer_path, skip=TRANSFORMERS_SKIP),
+    }
+    return key_of("tokenizer", [tokenizer_dir(model)], fields)
+
+
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    model: ModelConfig = parameters["model"]
-    return key_of("tokenizer", [tokenizer_dir(model)], {"path": model.path, "tokenizer_path": model.tokenizer_path})
+    return tokenizer_key(parameters["model"])
 
 
 @task(name="load_tokenizer", cache_key_fn=_cache_key, persist_result=True, result_serializer="json", retries=1)

@@ -9,7 +9,8 @@ Cache key: the sha256 of the model's text-encoder and tokenizer files, the promp
 texts of the train and validation prompts and negative prompts, plus ""), `model.architecture`,
 `rollout.pipeline.max_sequence_length`, `trainer.device` (embeddings computed on another kind of
 device differ in the last bits) and the OmniFlow code version (`cache_keys.code_version`). The model path, its transformer, VAE and scheduler, and every other
-field leave it valid. The file lives next to Prefect's cached results, named by the key; a cached entry
+field leave it valid (a Hub id is fingerprinted in the snapshot its `model.revision` resolves to now: a revision
+with other text encoders makes a new entry, one with the same reuses it). The file lives next to Prefect's cached results, named by the key; a cached entry
 whose file was deleted runs again. The result Prefect stores is that path, as JSON (never a pickle).
 """
 
@@ -26,6 +27,7 @@ from prefect import get_run_logger, task
 from omni_core.cache_keys import key_of
 from omni_core.config.schema import ActorRolloutRefConfig
 from omni_core.data.prompts import PromptRecord
+from omni_core.models.hub import model_folder
 from omni_core.models.prompt_embeddings import encode_prompt_set, text_encoder_fingerprint, unique_prompts
 
 ENCODE_TIMEOUT_S = 4 * 3600  # a bounded wait on the Ray task (T5-XXL: ~20 ms per prompt on a GPU)
@@ -39,7 +41,8 @@ def prompt_set(train: list[PromptRecord], val: list[PromptRecord]) -> list[str]:
 def embeddings_key(actor_rollout_ref: ActorRolloutRefConfig, device: str, prompts: list[str]) -> str:
     model = actor_rollout_ref.model
     fields = {
-        "text_encoders": text_encoder_fingerprint(model.path),  # hashed once per process (memoised by size + mtime)
+        # the resolved folder's files (a Hub id: its revision's snapshot), hashed once per process (memoised by size + mtime)
+        "text_encoders": text_encoder_fingerprint(model_folder(model)),
         "architecture": model.architecture,
         "max_sequence_length": actor_rollout_ref.rollout.pipeline.max_sequence_length,
         "device": device,
@@ -67,10 +70,13 @@ def prepare_prompt_embeddings(
         # On the device the policy runs on (bit-equal embeddings), in a Ray worker that exits afterwards
         # (max_calls=1): the text encoders' memory and CUDA context go with it, before any actor starts.
         remote = ray.remote(num_gpus=1, max_calls=1)(encode_prompt_set)
-        path = ray.get(remote.remote(*args, device="cuda", architecture=model.architecture), timeout=ENCODE_TIMEOUT_S)
+        path = ray.get(
+            remote.remote(*args, device="cuda", architecture=model.architecture, revision=model.revision),
+            timeout=ENCODE_TIMEOUT_S,
+        )
     else:
         # cpu (and npu, which Ray does not schedule): in this process. No device memory to hand back, the
         # modules are freed on return, and no Ray worker has to import torch and diffusers first.
-        path = encode_prompt_set(*args, device=device, architecture=model.architecture)
+        path = encode_prompt_set(*args, device=device, architecture=model.architecture, revision=model.revision)
     get_run_logger().info(f"{len(prompts)} prompt embeddings ({max_sequence_length} tokens) in {path}")
     return str(path)

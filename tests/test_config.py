@@ -50,8 +50,11 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     "data.shuffle": (True, "Shuffle the training prompts every epoch (seeded by data.seed)."),
     "actor_rollout_ref.model.path": (
         "models/tiny-sd3",
-        "Local directory of a diffusers pipeline (model_index.json + components). verl-omni: ~/models/Qwen/Qwen-Image; "
-        "OmniFlow: the tiny SD3-family model that `omniflow make-tiny-model` (and the main job) builds there.",
+        "A diffusers pipeline (model_index.json + components): a local directory, or a Hugging Face Hub id such as "
+        "stabilityai/stable-diffusion-3.5-medium (a local folder of that name wins), loaded from the Hugging Face cache "
+        "(HF_HOME / HF_HUB_CACHE) and downloaded there first unless HF_HUB_OFFLINE=1, the CLI's default. verl-omni: "
+        "~/models/Qwen/Qwen-Image; OmniFlow: the tiny SD3-family model that `omniflow make-tiny-model` (and the main "
+        "job) builds there.",
     ),
     "actor_rollout_ref.actor.optim.lr": (
         1e-3,

@@ -29,6 +29,7 @@ from omni_core.checkpoint.writer import read_manifest
 # Keys a resumed run must share with its checkpoint.
 LOCKED_KEYS = (
     "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.revision",
     "actor_rollout_ref.model.architecture",
     "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.actor.fsdp_config.model_dtype",

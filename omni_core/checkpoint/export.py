@@ -35,6 +35,7 @@ from omni_core.checkpoint.trained import (
 )
 from omni_core.config import ConfigError, OmniFlowConfig, load_config, with_updates
 from omni_core.export import HF_DIR, INFO_FILE, ExportInfo, export_checkpoint
+from omni_core.models.hub import model_folder
 from omni_core.models.loader import check_pipeline_folder
 from omni_core.models.model_index import ModelLoadError
 
@@ -87,7 +88,7 @@ def export_trained_checkpoint(
         fmt = "full"  # nothing to merge: the transformer is the trained one already
     weights = ckpt.weights(ema)
     config = _saved_config(ckpt, base_model)
-    base = Path(config.actor_rollout_ref.model.path).expanduser()
+    base = model_folder(config.actor_rollout_ref.model)  # a Hub id: its snapshot in the Hugging Face cache
 
     if fmt != "merged" and weights == ckpt.hf_weights:
         written = _copy(base, ckpt.path, out, out_dir)  # actor/hf holds exactly these weights
@@ -122,7 +123,7 @@ def _saved_config(ckpt: TrainedCheckpoint, base_model: str | Path | None) -> Omn
         raise RefusedError(f"CHECKPOINT={ckpt.path}: its {ckpt.config_file.name} does not load: {exc}") from exc
     model = config.actor_rollout_ref.model
     try:
-        check_pipeline_folder(model.path, model.architecture)
+        check_pipeline_folder(model_folder(model), model.architecture)
     except ModelLoadError as exc:
         where = "--base-model" if base_model is not None else f"{MODEL_PATH_KEY} in {ckpt.config_file}"
         raise RefusedError(f"{where}: {exc}; pass --base-model DIR, the base pipeline folder the run trained") from exc

@@ -104,6 +104,7 @@ _m = _Section("actor_rollout_ref.model")
 
 class ModelConfig(ConfigModel):
     path: str = _m("path")
+    revision: str | None = _m("revision")
     tokenizer_path: str | None = _m("tokenizer_path")
     architecture: str | None = _m("architecture")
     algorithm: str = _m("algorithm")
@@ -347,9 +348,14 @@ class RewardFunctionSpec(ConfigModel):
     path: str | None = Field(None, description="Python file with a compute_score-style function.")
     function: str = Field("compute_score", description="Function name in that file.")
     weight: float = Field(1.0, description="Weight in the weighted sum.")
-    model_path: str | None = Field(None, description="Model rewards: local folder of the CLIP model (from_pretrained).")
+    model_path: str | None = Field(
+        None, description="Model rewards: the CLIP model, a local folder (from_pretrained) or a Hugging Face Hub id."
+    )
     processor_path: str | None = Field(
-        None, description="Model rewards: local folder of the CLIPProcessor; null means model_path."
+        None, description="Model rewards: the CLIPProcessor (a local folder or a Hub id); null means model_path."
+    )
+    revision: str | None = Field(
+        None, description="Model rewards: Hub revision (branch, tag or commit) of a model_path that is a Hub id; null means main."
     )
     head_path: str | None = Field(None, description="aesthetic: the MLP head (.safetensors, or LAION's .pth state dict).")
     dtype: DtypeName = Field("float32", description="Model rewards: precision of the model (float32, bfloat16, float16).")

@@ -47,7 +47,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "OmniFlow's optimizer is AdamW with actor_rollout_ref.actor.optim.{lr,betas,weight_decay}; remove this key."
     ),
     "actor_rollout_ref.nccl_timeout": _FSDP,
-    "actor_rollout_ref.model.use_shm": "OmniFlow loads models from a local directory (model.path); remove this key.",
+    "actor_rollout_ref.model.use_shm": (
+        "OmniFlow loads models from a local directory or the Hugging Face cache (model.path); remove this key."
+    ),
     "actor_rollout_ref.model.external_lib": (
         "OmniFlow supports the diffusers pipelines StableDiffusion3Pipeline, FluxPipeline and QwenImagePipeline; remove this key."
     ),

@@ -43,13 +43,15 @@ NAMESPACE = "omniflow"
 MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(16 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 # Environment variables of this process that every Ray worker of a run gets (a Prefect API instead of one
-# temporary server per worker, offline hubs, TransferQueue's log level and thread count: omni_core.tq.client,
-# the malloc settings above).
+# temporary server per worker, offline hubs and the Hugging Face cache that a Hub id resolves in, TransferQueue's log
+# level and thread count: omni_core.tq.client, the malloc settings above).
 PASSED_ENV_VARS = (
     "PREFECT_API_URL",
     "PREFECT_HOME",
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "HF_HUB_CACHE",
     "TQ_LOGGING_LEVEL",
     "TQ_NUM_THREADS",
     *MALLOC_ENV,

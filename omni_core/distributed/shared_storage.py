@@ -26,6 +26,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
+from omni_core.models.hub import TRANSFORMERS_SKIP, resolve_model_path
+from omni_core.models.model_index import ModelLoadError
 from omni_core.rewards.entries import entry_kind
 
 PROBE_PREFIX = ".omniflow-storage-probe-"
@@ -123,7 +125,8 @@ def files_every_node_reads(config: OmniFlowConfig) -> list[tuple[str, str]]:
     """(key, file) pairs that the run's workers open on whichever node they run: the model's
     model_index.json (the folder is loaded there), the reward files, and the model rewards' folders and heads
     (a server term or verl-omni's HTTP client entry opens no file)."""
-    files = [("actor_rollout_ref.model.path", str(Path(config.actor_rollout_ref.model.path) / "model_index.json"))]
+    model = config.actor_rollout_ref.model
+    files = [("actor_rollout_ref.model.path", str(_cached_folder(model.path, model.revision) / "model_index.json"))]
     custom = config.reward.custom_reward_function.path
     if custom:
         files.append(("reward.custom_reward_function.path", custom))
@@ -133,10 +136,21 @@ def files_every_node_reads(config: OmniFlowConfig) -> list[tuple[str, str]]:
         if kind == "file":
             files.append((f"{key}.path", spec.path))
         elif kind == "model":
-            files.append((f"{key}.model_path", str(Path(spec.model_path) / "config.json")))
+            files.append(
+                (f"{key}.model_path", str(_cached_folder(spec.model_path, spec.revision, TRANSFORMERS_SKIP) / "config.json"))
+            )
             if spec.head_path:
                 files.append((f"{key}.head_path", spec.head_path))
     return files
+
+
+def _cached_folder(path: str, revision: str | None, skip: list[str] | None = None) -> Path:
+    # A Hub id is read where the driver's Hugging Face cache holds it: several nodes need that cache on shared
+    # storage (or the model downloaded into each node's cache at the same path); one not cached yet stays as written.
+    try:
+        return resolve_model_path(path, revision, skip=skip, download=False)
+    except ModelLoadError:
+        return Path(path)
 
 
 def alive_nodes() -> list[Participant]:

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omni_core.models.hub import is_hub_id, resolve_model_path
 from omni_core.models.loader import ModelLoadError, check_pipeline_folder, resolve_architecture
 
 
 def ensure_base_model(base_model: str, build_tiny_if_missing: bool, arch: str = "sd3") -> tuple[Path, bool]:
-    """(the absolute folder, whether the tiny `arch` model was built there now)."""
-    path = Path(base_model).expanduser().resolve()
+    """(the absolute folder, whether the tiny `arch` model was built there now). A Hugging Face Hub id is its snapshot
+    folder in the Hugging Face cache (`hub.resolve_model_path`); no tiny model is ever built under a Hub id's name."""
     built = False
+    if is_hub_id(base_model):
+        path = resolve_model_path(base_model, key="base_model").resolve()
+    else:
+        path = Path(base_model).expanduser().resolve()
     if not (path / "model_index.json").is_file():
         if not build_tiny_if_missing:
             raise ModelLoadError(

@@ -1,4 +1,5 @@
-"""Load a saved diffusers pipeline from a local directory, the one way OmniFlow loads models.
+"""Load a saved diffusers pipeline from a local directory (or a Hugging Face Hub id, resolved to its folder in the
+Hugging Face cache by ``hub.resolve_model_path``), the one way OmniFlow loads models.
 
 Owns: architecture resolution (``model_index.json``'s ``_class_name`` or an explicit name, checked against
 ``architectures.ARCHITECTURES``), clear errors (``ModelLoadError``) that name the path and the problem, and
@@ -15,6 +16,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from omni_core.models.architectures import BY_PIPELINE, architecture_choices, find_architecture
+from omni_core.models.hub import resolve_model_path
 from omni_core.models.model_index import ModelLoadError, read_model_index
 from omni_core.quiet import quiet_model_libraries
 
@@ -97,15 +99,19 @@ def load_pipeline(
     architecture: str | None = None,
     torch_dtype: torch.dtype = torch.float32,
     text_encoders: bool = True,
+    revision: str | None = None,
 ) -> DiffusionPipeline:
-    """Load the pipeline saved in ``path`` (local only) and freeze its text encoders and VAE.
+    """Load the pipeline saved in ``path`` and freeze its text encoders and VAE.
+
+    ``path`` is a local folder, or a Hub id read from the Hugging Face cache at ``revision`` (``hub.resolve_model_path``:
+    downloaded there first unless ``HF_HUB_OFFLINE=1``); diffusers itself only ever reads the local folder.
 
     ``architecture`` (a short name of ``ARCHITECTURES``, a pipeline class name, or None / ``"auto"`` to read
     ``model_index.json``) must agree with the saved ``_class_name`` when both are given.
     ``text_encoders=False`` leaves the text encoders and tokenizers out (None): for a policy whose
     prompts come from precomputed embeddings (``omni_core.models.prompt_embeddings``).
     """
-    path = Path(path).expanduser()
+    path = resolve_model_path(path, revision)
     name = check_pipeline_folder(path, architecture)
     cls = BY_PIPELINE[name].pipeline_cls()
     skipped = absent_components(path) | ({} if text_encoders else dict.fromkeys(text_components(cls)))

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from omni_core.models import lora
 from omni_core.models.arch import adapter_for
+from omni_core.models.hub import TRANSFORMERS_SKIP, resolve_model_path
 from omni_core.models.loader import load_pipeline
 from omni_core.sde import Generators, randn_per_sample
 
@@ -71,6 +72,7 @@ class FlowPolicy:
         text_encoders: bool = True,
         trainable: bool = True,
         prompt_embeddings: str | Path | None = None,
+        revision: str | None = None,
     ):
         self.device = torch.device(device)
         self.dtype = dtype
@@ -83,7 +85,7 @@ class FlowPolicy:
         if trainable and not is_lora and dtype != torch.float32:
             raise ValueError(f"full fine-tuning keeps fp32 master weights: dtype={dtype} needs LoRA (lora_rank > 0) or float32")
         loader_kwargs = {} if text_encoders else {"text_encoders": False}
-        self.pipeline = load_pipeline(path, architecture, torch_dtype=dtype, **loader_kwargs).to(self.device)
+        self.pipeline = load_pipeline(path, architecture, torch_dtype=dtype, revision=revision, **loader_kwargs).to(self.device)
         self.prompt_embeddings = None
         if prompt_embeddings is not None:
             from omni_core.models.prompt_embeddings import PromptEmbeddings
@@ -99,7 +101,10 @@ class FlowPolicy:
             self.base_transformer.requires_grad_(False)
             fresh = lora.build_lora_config(lora_rank or 8, lora_alpha, lora_init_weights, target_modules)
             if lora_adapter_path:
-                model = lora.load_lora_adapter(self.base_transformer, lora_adapter_path, type(self.pipeline), fresh)
+                adapter = resolve_model_path(
+                    lora_adapter_path, key="actor_rollout_ref.model.lora_adapter_path", skip=TRANSFORMERS_SKIP
+                )
+                model = lora.load_lora_adapter(self.base_transformer, adapter, type(self.pipeline), fresh)
             else:
                 model = lora.apply_lora(self.base_transformer, fresh)
             self.transformer: torch.nn.Module = model
@@ -129,6 +134,7 @@ class FlowPolicy:
             lora_adapter_path=model_cfg.lora_adapter_path,
             enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
             attn_backend=model_cfg.attn_backend,
+            revision=getattr(model_cfg, "revision", None),
         )
         kwargs.update(overrides)
         return cls(model_cfg.path, **kwargs)

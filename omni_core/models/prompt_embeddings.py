@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from omni_core.models.hub import resolve_model_path
 from omni_core.models.model_index import read_model_index
 
 if TYPE_CHECKING:
@@ -139,15 +140,16 @@ def encode_prompt_set(
     architecture: str | None = None,
     *,
     torch_dtype: torch.dtype = torch.float32,
+    revision: str | None = None,
 ) -> Path:
     """Encode every unique text of ``prompts`` (and ``""``) with the pipeline's text encoders; write ``out_file``.
 
     Loads only the text encoders and tokenizers of the pipeline in ``model_path`` (no transformer, no
-    VAE), in ``torch_dtype`` on ``device``; each text is encoded alone with the architecture adapter's
+    VAE; a Hub id at ``revision`` is read from the Hugging Face cache), in ``torch_dtype`` on ``device``; each text is encoded alone with the architecture adapter's
     ``encode`` (what ``FlowPolicy.encode_prompts`` calls). The file is written atomically (a temporary
     file in the same folder, then ``os.replace``) and its path returned.
     """
-    model_path = Path(model_path).expanduser()
+    model_path = resolve_model_path(model_path, revision)  # a Hub id: its snapshot folder in the Hugging Face cache
     out_file = Path(out_file)
     adapter = _text_only_adapter(model_path, architecture, str(device), torch_dtype)
     texts = unique_prompts(prompts)

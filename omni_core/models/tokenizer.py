@@ -1,5 +1,6 @@
 """The run's tokenizer (verl-omni's `_init_tokenizer()`): `model.tokenizer_path`, else the pipeline's
-`tokenizer/` folder, else the model folder itself; loaded with `AutoTokenizer.from_pretrained`."""
+`tokenizer/` folder, else the model folder itself; loaded with `AutoTokenizer.from_pretrained`. Either path may be a
+Hugging Face Hub id (`omni_core.models.hub`)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.config.schema import ModelConfig
+from omni_core.models.hub import TRANSFORMERS_SKIP, model_folder, resolve_model_path
 
 
 def tokenizer_dir(model: ModelConfig) -> Path:
     """Where the tokenizer of `actor_rollout_ref.model` lives (what a cache key fingerprints)."""
     if model.tokenizer_path:
-        return Path(model.tokenizer_path).expanduser()
-    sub = Path(model.path).expanduser() / "tokenizer"
-    return sub if sub.is_dir() else Path(model.path).expanduser()
+        return resolve_model_path(model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path", skip=TRANSFORMERS_SKIP)
+    folder = model_folder(model)
+    return folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
 
 
 def load_tokenizer(model: ModelConfig) -> Any:

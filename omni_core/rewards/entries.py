@@ -53,7 +53,7 @@ _SERVER_KEYS = ("server_url", "headers", "batch_size", "max_concurrency", "reque
 ENTRY_KEYS: dict[str, tuple[str, ...]] = {
     "builtin": ("name", "weight"),
     "file": ("name", "path", "function", "weight"),
-    "model": ("name", "model_path", "processor_path", "head_path", "dtype", "batch_size", "weight"),
+    "model": ("name", "model_path", "processor_path", "revision", "head_path", "dtype", "batch_size", "weight"),
     "server": ("name", *_SERVER_KEYS, "format", "prompts_from", "weight"),
     "verl_http": ("name", "path", "function", *_SERVER_KEYS, "prompts_from", "weight"),
 }

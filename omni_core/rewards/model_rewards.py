@@ -1,4 +1,5 @@
-"""Model rewards: CLIP-architecture models loaded from a local folder with transformers' `from_pretrained`.
+"""Model rewards: CLIP-architecture models loaded with transformers' `from_pretrained` from a local folder (or a Hugging Face
+Hub id, read from the Hugging Face cache: `omni_core.models.hub`).
 
 Three rewards, each scored a batch at a time under `torch.no_grad` on the run's device, the CLIP model in the entry's
 `dtype`, images prepared by the model's own `CLIPProcessor` (from `processor_path`, default `model_path`):
@@ -29,6 +30,7 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from omni_core.models.hub import TRANSFORMERS_SKIP, is_hub_id, resolve_model_path
 from omni_core.rewards.builtin import to_hwc_uint8
 from omni_core.rewards.terms import BatchRewardTerm, RewardBatch, SampleFailure
 
@@ -60,12 +62,25 @@ def _cached(key: tuple[str, ...], load: Any) -> Any:
         return _CACHE[key]
 
 
-def load_clip(model_path: str | Path, processor_path: str | Path | None, dtype: str, device: torch.device) -> ClipBundle:
-    """`CLIPModel` and `CLIPProcessor` from local folders (no hub), on `device` in `dtype`; once per process."""
+def load_clip(
+    model_path: str | Path,
+    processor_path: str | Path | None,
+    dtype: str,
+    device: torch.device,
+    revision: str | None = None,
+    where: str = "reward",
+) -> ClipBundle:
+    """`CLIPModel` and `CLIPProcessor` from local folders, or Hub ids read from the Hugging Face cache
+    (`hub.resolve_model_path`; `revision` is the model's, a Hub processor is read at main), on `device` in `dtype`;
+    once per process."""
     from transformers import CLIPModel, CLIPProcessor
 
-    model_dir = Path(model_path).expanduser().resolve()
-    processor_dir = Path(processor_path).expanduser().resolve() if processor_path else model_dir
+    model_dir = resolve_model_path(model_path, revision, key=f"{where}.model_path", skip=TRANSFORMERS_SKIP).resolve()
+    processor_dir = (
+        resolve_model_path(processor_path, key=f"{where}.processor_path", skip=TRANSFORMERS_SKIP).resolve()
+        if processor_path
+        else model_dir
+    )
     key = ("clip", str(model_dir), str(processor_dir), dtype, str(device))
 
     def load() -> ClipBundle:
@@ -167,15 +182,17 @@ def model_term(spec: Any, device: str | None, where: str) -> BatchRewardTerm:
     name = spec.name
     if not spec.model_path:
         raise ValueError(
-            f"{where}.model_path: {name} needs model_path, a local folder holding the CLIP model (config.json + weights) "
-            "and its processor files, e.g. a downloaded yuvalkirstain/PickScore_v1 for pickscore"
+            f"{where}.model_path: {name} needs model_path, the CLIP model (config.json + weights) and its processor files: "
+            "a local folder or a Hugging Face Hub id, e.g. yuvalkirstain/PickScore_v1 for pickscore"
         )
-    if not Path(spec.model_path).expanduser().is_dir():
-        raise ValueError(f"{where}.model_path={spec.model_path}: no such folder; point it at the local model folder")
+    if not is_hub_id(spec.model_path) and not Path(spec.model_path).expanduser().is_dir():
+        raise ValueError(
+            f"{where}.model_path={spec.model_path}: no such folder; point it at the local model folder or a Hugging Face Hub id"
+        )
     if name == "aesthetic" and not spec.head_path:
         raise ValueError(f"{where}.head_path: aesthetic needs head_path, the MLP head (.safetensors or LAION's .pth)")
     torch_device = actor_device(device or "auto")
-    bundle = load_clip(spec.model_path, spec.processor_path, spec.dtype, torch_device)
+    bundle = load_clip(spec.model_path, spec.processor_path, spec.dtype, torch_device, getattr(spec, "revision", None), where)
     head = None
     if name == "aesthetic":
         head = load_aesthetic_head(spec.head_path, bundle.model.config.projection_dim, torch_device)

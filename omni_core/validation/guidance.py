@@ -18,10 +18,9 @@ left to the `paths` group.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.models.architectures import BY_PIPELINE
+from omni_core.models.hub import resolve_model_path
 from omni_core.models.model_index import ModelLoadError, pipeline_class_name, transformer_guidance_embeds
 
 _KEY = "actor_rollout_ref.rollout.pipeline."
@@ -29,7 +28,10 @@ _KEY = "actor_rollout_ref.rollout.pipeline."
 
 def guidance_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     model, pipeline = config.actor_rollout_ref.model, config.actor_rollout_ref.rollout.pipeline
-    path = Path(model.path).expanduser()
+    try:  # a Hub id is read in the cache only (a model not there yet is the `paths` group's problem)
+        path = resolve_model_path(model.path, model.revision, download=False)
+    except ModelLoadError:
+        return []
     if not (path / "model_index.json").is_file():
         return []
     try:

@@ -11,7 +11,9 @@ from omni_core import checkpoint as ckpt
 from omni_core.checkpoint.compat import config_changes, export_only_message, has_optimizer, refusal_fix, saved_config
 from omni_core.checkpoint.layout import parse_step
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
+from omni_core.config.schema import ModelConfig
 from omni_core.data_files import DataFileError, as_file_list, resolve_data_path
+from omni_core.models.hub import TRANSFORMERS_SKIP, hub_problem, is_hub_id
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -40,22 +42,55 @@ def path_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             )
     if not p:
         p.extend(checkpoint_folder_problems(config))
-    model_dir = Path(model.path).expanduser()
-    if not (model_dir / "model_index.json").is_file():
-        p.append(
-            ConfigProblem(
-                "actor_rollout_ref.model.path",
-                f"no diffusers pipeline at {model_dir} (model_index.json missing); point it at a pipeline folder, "
-                f"or build the tiny model with `omniflow make-tiny-model {model.path}`",
-                model.path,
-            )
-        )
+    p.extend(model_path_problems(model))
     for key, value in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for f in as_file_list(value):
             try:
                 resolve_data_path(f)
             except DataFileError as exc:
                 p.append(ConfigProblem(key, str(exc), f))
+    return p
+
+
+def model_path_problems(model: ModelConfig) -> list[ConfigProblem]:
+    """`actor_rollout_ref.model.path` (and its `revision`, `tokenizer_path`, `lora_adapter_path`): a local folder is
+    checked on disk; a Hub id (`org/name` with no local folder of that name) against the Hugging Face cache, or the
+    Hub when downloads are on (`hub.hub_problem`). A Hub id is never answered with `make-tiny-model`, which would
+    write a random model under the real one's name."""
+    key = "actor_rollout_ref.model.path"
+    p: list[ConfigProblem] = []
+    if is_hub_id(model.path):
+        reason = hub_problem(model.path, model.revision, key)
+        if reason and model.path == ModelConfig.model_fields["path"].default:  # the project's own tiny model folder
+            reason += f"; it is also the default local folder of the tiny test model: `omniflow make-tiny-model {model.path}`"
+        if reason:
+            p.append(ConfigProblem(key, reason, model.path))
+    else:
+        model_dir = Path(model.path).expanduser()
+        if not (model_dir / "model_index.json").is_file():
+            p.append(
+                ConfigProblem(
+                    key,
+                    f"no diffusers pipeline at {model_dir} (model_index.json missing); point it at a pipeline folder "
+                    f"or a Hugging Face Hub id (org/name), or build the tiny model there with "
+                    f"`omniflow make-tiny-model {model.path}`",
+                    model.path,
+                )
+            )
+        if model.revision is not None:
+            p.append(
+                ConfigProblem(
+                    "actor_rollout_ref.model.revision",
+                    f"applies to a Hugging Face Hub id only, but {key}={model.path} is a local folder (a local folder of "
+                    f"that name wins over the Hub id); remove the revision, or move the folder to load the Hub model",
+                    model.revision,
+                )
+            )
+    for name in ("tokenizer_path", "lora_adapter_path"):
+        value = getattr(model, name)
+        reason = hub_problem(value, None, f"actor_rollout_ref.model.{name}", skip=TRANSFORMERS_SKIP)
+        if reason:
+            p.append(ConfigProblem(f"actor_rollout_ref.model.{name}", reason, value))
     return p
 
 

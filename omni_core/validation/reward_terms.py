@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.unsupported import REWARD_MODEL_REASON
+from omni_core.models.hub import TRANSFORMERS_SKIP, hub_problem, is_hub_id
 from omni_core.rewards.entries import display_url, entry_kind, given_entry_keys, refused_entry_keys
 from omni_core.rewards.names import BUILTIN_REWARD_NAMES, MODEL_REWARD_NAMES
 from omni_core.rewards.plugins import added_reward_names
@@ -106,21 +107,35 @@ def _model_problems(key: str, spec: object) -> list[ConfigProblem]:
         p.append(
             ConfigProblem(
                 f"{key}.model_path",
-                f"{name} needs model_path, a local folder with the CLIP model (config.json + weights) and its processor "
-                "files (e.g. a downloaded yuvalkirstain/PickScore_v1; openai/clip-vit-large-patch14 for aesthetic)",
+                f"{name} needs model_path, the CLIP model (config.json + weights) and its processor files: a local "
+                "folder or a Hugging Face Hub id (e.g. yuvalkirstain/PickScore_v1; openai/clip-vit-large-patch14 for aesthetic)",
                 None,
             )
         )
+    elif is_hub_id(model_path):
+        reason = hub_problem(model_path, getattr(spec, "revision", None), f"{key}.model_path", skip=TRANSFORMERS_SKIP)
+        if reason:
+            p.append(ConfigProblem(f"{key}.model_path", reason, model_path))
     elif not (Path(model_path).expanduser() / "config.json").is_file():
         p.append(
             ConfigProblem(
-                f"{key}.model_path", "no model folder (config.json) there; point it at the local model folder", model_path
+                f"{key}.model_path",
+                "no model folder (config.json) there; point it at the local model folder or a Hugging Face Hub id",
+                model_path,
             )
         )
     processor_path = getattr(spec, "processor_path", None)
-    if processor_path and not Path(processor_path).expanduser().is_dir():
+    if is_hub_id(processor_path):
+        reason = hub_problem(processor_path, None, f"{key}.processor_path", skip=TRANSFORMERS_SKIP)
+        if reason:
+            p.append(ConfigProblem(f"{key}.processor_path", reason, processor_path))
+    elif processor_path and not Path(processor_path).expanduser().is_dir():
         p.append(
-            ConfigProblem(f"{key}.processor_path", "no such folder; point it at the CLIPProcessor's local folder", processor_path)
+            ConfigProblem(
+                f"{key}.processor_path",
+                "no such folder; point it at the CLIPProcessor's local folder or a Hugging Face Hub id",
+                processor_path,
+            )
         )
     if name == "aesthetic":
         head = getattr(spec, "head_path", None)
