@@ -206,7 +206,11 @@ def compose(base: Mapping[str, Any], layers: Sequence[Mapping[str, Any]], overri
     for layer in layers:
         layer = _checked_strings(layer, problems)
         _clear_kind_changes(cfg, layer)
-        cfg = OmegaConf.merge(cfg, layer)
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as exc:  # e.g. a YAML date, which no config key takes
+            key = str(getattr(exc, "full_key", "") or "config")
+            problems.append(ConfigProblem(key, f"cannot be merged: {_first_line(exc)}; write a string, number or list"))
     added: set[str] = set()
     for arg in overrides:
         try:
