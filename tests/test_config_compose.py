@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
-from omni_core.config import ConfigError, load_config, resolve_config
 from omniflow.flows.cli import _config_args, build_parser, main
 from omniflow.flows.runner import split_files_and_overrides
+
+from omni_core.config import ConfigError, load_config, resolve_config
 
 # A verl-omni style experiment file: values taken from other keys, from a default, from the environment.
 EXPERIMENT = """\
