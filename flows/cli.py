@@ -16,17 +16,20 @@ from collections.abc import Sequence
 from omniflow.flows.runner import QUIET_ENV, split_files_and_overrides
 
 
-def _load(args: Sequence[str]):
-    from omni_core.config import load_config
+def _config_args(ns: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(YAML files, overrides) of a command that reads a config: `--config-path/--config-name` name the first file."""
+    return split_files_and_overrides(ns.args, ns.config_path, ns.config_name)
 
-    files, overrides = split_files_and_overrides(args)
-    return load_config(files, overrides)
+
+def _hydra_options(ns: argparse.Namespace) -> list[str]:
+    """`--config-path` / `--config-name` as words again, for a command that takes verl-style argv."""
+    return [f"--{name.replace('_', '-')}={value}" for name in ("config_path", "config_name") if (value := getattr(ns, name))]
 
 
 def _cmd_config_show(ns: argparse.Namespace) -> int:
-    from omni_core.config import to_yaml
+    from omni_core.config import load_config, to_yaml
 
-    print(to_yaml(_load(ns.args)), end="")
+    print(to_yaml(load_config(*_config_args(ns))), end="")
     return 0
 
 
@@ -42,7 +45,7 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
 
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # train's default: a Hub id must be in the cache already
         os.environ.setdefault(key, QUIET_ENV[key])
-    files, overrides = split_files_and_overrides(ns.args)
+    files, overrides = _config_args(ns)
     config = prepare_run_config(None, overrides, files)  # exactly what `omniflow train` checks first
     t = config.trainer
     print(
@@ -89,7 +92,7 @@ def _cmd_make_dataset(ns: argparse.Namespace) -> int:
 def _cmd_train(ns: argparse.Namespace) -> int:
     from omniflow.flows.train_cli import run_training
 
-    return run_training(ns.args)
+    return run_training([*_hydra_options(ns), *ns.args])
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
@@ -187,6 +190,15 @@ def _cmd_evaluate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """A config as verl-omni's entry points take it: Hydra's --config-path/--config-name, YAML files, overrides."""
+    parser.add_argument("--config-path", "-cp", help="folder of --config-name (default: the current folder)")
+    parser.add_argument("--config-name", "-cn", help="the config to load first: DIR/NAME.yaml (its defaults: list too)")
+    parser.add_argument(
+        "args", nargs="*", help="YAML files, then overrides: key.path=value, +key.path=value (add), ~key.path (delete)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from omni_core.models.architectures import ARCHITECTURES  # light: names only
 
@@ -199,17 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show the resolved config or its JSON schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved YAML: omniflow config show [FILE ...] [key=value ...]")
-    show.add_argument("args", nargs="*", help="YAML files, then key.path=value overrides")
+    _add_config_arguments(show)
     show.set_defaults(func=_cmd_config_show)
     schema = config_sub.add_parser("schema", help="print the config's JSON schema")
     schema.set_defaults(func=_cmd_config_schema)
 
     validate = sub.add_parser("validate", help="check a config (types, cross-field rules, devices) without running")
-    validate.add_argument("args", nargs="*", help="YAML files, then key.path=value overrides")
+    _add_config_arguments(validate)
     validate.set_defaults(func=_cmd_validate)
 
     train = sub.add_parser("train", help="run main_diffusion_v1: omniflow train [FILE ...] [key=value ...]")
-    train.add_argument("args", nargs="*", help="YAML files, then key.path=value overrides")
+    _add_config_arguments(train)
     train.set_defaults(func=_cmd_train)
 
     serve = sub.add_parser(

@@ -203,9 +203,10 @@ def main_diffusion_v1(
         config: The whole training config (verl-omni key paths); omitted fields take their defaults.
             Leave empty to start from the defaults, or from `config_files`.
         overrides: verl-style `key.path=value` strings applied on top of the config, e.g.
-            `data.train_batch_size=8` or `actor_rollout_ref.rollout.n=8`.
+            `data.train_batch_size=8` or `actor_rollout_ref.rollout.n=8`; Hydra's `+key=value` and
+            `~key` too, and `${...}` interpolation.
         config_files: YAML config files read in order when `config` is empty (paths on the machine
-            that runs the flow).
+            that runs the flow); `${...}` in them is resolved and a `defaults:` list of sibling files is read.
         new_experiment_per_run: Start a new experiment named after this run
             (`<trainer.experiment_name>-<scheduled start>-<flow run name>`) instead of resuming the
             experiment's last checkpoint; scheduled deployments set it.

@@ -21,7 +21,7 @@ def run_reward_server(args: Sequence[str], host: str = "127.0.0.1", port: int = 
     from omni_core.validation.rewards import reward_problems
 
     files, overrides = split_files_and_overrides(args)
-    other = [o for o in overrides if not o.lstrip("+").startswith(SERVER_KEYS)]
+    other = [o for o in overrides if not o.lstrip("+~").startswith(SERVER_KEYS)]
     if other:
         raise ConfigError(
             [

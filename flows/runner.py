@@ -19,6 +19,7 @@ Light to import: nothing heavy is imported before it is used.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import os
@@ -41,10 +42,30 @@ QUIET_ENV = {
 EXIT_API_DIED = 75
 
 
-def split_files_and_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """verl-style argv: YAML files (no '=') first, then key.path=value overrides."""
-    files = [a for a in args if "=" not in a]
-    overrides = [a for a in args if "=" in a]
+def split_files_and_overrides(
+    args: Sequence[str], config_path: str | None = None, config_name: str | None = None
+) -> tuple[list[str], list[str]]:
+    """verl-style argv -> (YAML files, overrides).
+
+    Overrides are `key.path=value`, `+key=value`, `++key=value` and `~key` (delete); any other word is a YAML
+    file. Hydra's `--config-path=DIR --config-name=NAME` (also `-cp` / `-cn`, as options here or as words of
+    `args`, as `python -m omniflow.flows.main_diffusion_v1` gets them) name the first file, DIR/NAME.yaml.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config-path", "-cp", default=config_path)
+    parser.add_argument("--config-name", "-cn", default=config_name)
+    ns, words = parser.parse_known_args(list(args))
+    overrides = [a for a in words if "=" in a or (a.startswith("~") and a[1:2].isidentifier())]  # ~/x.yaml: a file
+    files = [a for a in words if a not in overrides]
+    if ns.config_name:
+        from omni_core.config import config_name_file
+
+        files.insert(0, str(config_name_file(ns.config_path, ns.config_name)))
+    elif ns.config_path:
+        from omni_core.config import ConfigError, ConfigProblem
+
+        problem = ConfigProblem("--config-path", "names the folder of --config-name=NAME; give the config's name too")
+        raise ConfigError([problem])
     return files, overrides
 
 

@@ -20,8 +20,8 @@ def run_training(args: Sequence[str]) -> int:
     from omni_core.config import ConfigError
     from omni_core.validation import prepare_run_config
 
-    files, overrides = split_files_and_overrides(args)
     try:
+        files, overrides = split_files_and_overrides(args)  # --config-path/--config-name too
         prepare_run_config(None, overrides, files)
     except ConfigError as exc:
         print(f"omniflow: {exc}", file=sys.stderr)

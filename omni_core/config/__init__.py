@@ -1,13 +1,12 @@
-"""OmniFlow configuration: the schema, the defaults YAML, loading with overrides, errors."""
+"""OmniFlow configuration: the schema, the defaults YAML, composing files and overrides (OmegaConf), errors."""
 
+from omni_core.config.compose import config_name_file, parse_override, parse_value
 from omni_core.config.errors import ConfigError, ConfigProblem
 from omni_core.config.loader import (
     config_and_problems,
     config_from_dict,
     load_config,
     load_config_and_problems,
-    parse_override,
-    parse_value,
     resolve_config,
     resolve_config_and_problems,
     to_flat_dict,
@@ -23,6 +22,7 @@ __all__ = [
     "OmniFlowConfig",
     "config_and_problems",
     "config_from_dict",
+    "config_name_file",
     "load_config",
     "load_config_and_problems",
     "parse_override",

@@ -1,15 +1,14 @@
-"""Loading a config: YAML file(s) + `key.path=value` overrides -> a validated, immutable config.
+"""Loading a config: defaults, YAML file(s) and overrides (composed by `compose`) -> a validated, immutable config.
 
-Overrides are typed the way a verl / Hydra user expects: `1e-4` is a float (PyYAML would read a
-string), `true` / `false` / `null` are literals, `[a,b]` is a list and quotes keep a string.
-Unknown keys, unsupported verl-omni keys or values and wrong types are all collected into one
+`compose` merges the layers with OmegaConf and resolves `${...}`; this module checks the plain tree against
+the schema. Unknown keys, unsupported verl-omni keys or values and wrong types are all collected into one
 `ConfigError` that names every key path (with the nearest valid key for typos).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,84 +16,22 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_core.config.defaults_file import flatten
+from omni_core.config.compose import Composed, compose, without_keys, yaml_layers
+from omni_core.config.defaults_file import flatten, load_defaults
 from omni_core.config.errors import ConfigError, ConfigProblem
 from omni_core.config.schema import OmniFlowConfig, RewardFunctionSpec
 from omni_core.config.unsupported import UNKNOWN_IN_SECTION, UNSUPPORTED_VALUES, reward_model_refusal, unsupported_key_reason
 
-_INT = re.compile(r"^[-+]?\d+$")
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$", re.IGNORECASE)
-
-
-# ------------------------------------------------------------------------------ override parsing
-def parse_value(text: str) -> Any:
-    """Parse one override value: int, float (incl. 1e-4), bool, null, [list], {mapping} or string."""
-    s = text.strip()
-    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
-        return s[1:-1]
-    low = s.lower()
-    if low in ("null", "none", "~"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    if _INT.match(s):
-        return int(s)
-    if _FLOAT.match(s):
-        return float(s)
-    if s.startswith("[") and s.endswith("]"):
-        inner = s[1:-1].strip()
-        return [parse_value(item) for item in _split_top_level(inner)] if inner else []
-    if s.startswith("{") and s.endswith("}"):
-        loaded = yaml.safe_load(s)
-        return _retype_floats(loaded)
-    return s
-
-
-def _split_top_level(s: str) -> list[str]:
-    """Split on commas that are not inside brackets or quotes."""
-    items, depth, quote, current = [], 0, "", []
-    for ch in s:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-            continue
-        current.append(ch)
-    items.append("".join(current))
-    return items
-
-
-def _retype_floats(value: Any) -> Any:
-    """PyYAML reads `1e-4` as a string; read such strings as floats, everywhere in a loaded tree."""
-    if isinstance(value, str) and _FLOAT.match(value.strip()) and not _INT.match(value.strip()):
-        return float(value)
-    if isinstance(value, dict):
-        return {k: _retype_floats(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_retype_floats(v) for v in value]
-    return value
-
-
-def parse_override(arg: str) -> tuple[str, Any]:
-    """`key.path=value` (a leading `+` as in Hydra is accepted) -> (key path, typed value)."""
-    if "=" not in arg:
-        raise ConfigError([ConfigProblem(arg, "an override must look like key.path=value, e.g. data.train_batch_size=8")])
-    key, _, raw = arg.partition("=")
-    key = key.strip().lstrip("+")
-    if not key or not all(part.isidentifier() for part in key.split(".")):
-        raise ConfigError([ConfigProblem(key or arg, "not a valid key path; write dotted names like trainer.total_epochs=3")])
-    return key, parse_value(raw)
+# Said of a key added with `+` that the schema has no place for (verl adds keys its defaults lack; OmniFlow's
+# schema names every key it honours, so a new key is taken only inside a free mapping).
+PLUS_NOTE = (
+    " (`+` adds a key to the config, but OmniFlow's schema has no such key: new keys go only inside free mappings, "
+    "e.g. +ray_kwargs.ray_init.runtime_env.env_vars.NAME=value)"
+)
 
 
 def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
-    """Set `tree[a][b][c] = value` for path `a.b.c`, creating sections as needed."""
+    """Set `tree[a][b][c] = value` for path `a.b.c`, creating sections as needed (a plain dict, no parsing)."""
     node = tree
     parts = path.split(".")
     for part in parts[:-1]:
@@ -104,32 +41,6 @@ def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
             node[part] = child
         node = child
     node[parts[-1]] = value
-
-
-def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """Merge `update` into a copy of `base`; sections merge, leaves replace."""
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def read_yaml_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError([ConfigProblem(str(path), "config file not found; pass an existing YAML file")])
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError([ConfigProblem(str(path), f"not valid YAML: {exc}")]) from exc
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError([ConfigProblem(str(path), "a config file must hold a mapping of sections (data:, trainer:, ...)")])
-    return _retype_floats(loaded)
 
 
 # ----------------------------------------------------------------------------------- key checks
@@ -233,7 +144,7 @@ def config_and_problems(data: Mapping[str, Any]) -> tuple[OmniFlowConfig | None,
     None when even that does not validate.
     """
     problems = check_keys(data)
-    clean = _without_keys(data, {p.key for p in problems})
+    clean = without_keys(data, {p.key for p in problems})
     for _ in range(3):  # each round drops the keys pydantic refused (defaults stand in); one or two rounds end it
         try:
             return OmniFlowConfig.model_validate(clean), problems
@@ -242,7 +153,7 @@ def config_and_problems(data: Mapping[str, Any]) -> tuple[OmniFlowConfig | None,
             if not found:
                 break
             problems.extend(found)
-            clean = _without_keys(clean, {p.key for p in found})
+            clean = without_keys(clean, {p.key for p in found})
     return None, problems
 
 
@@ -254,32 +165,9 @@ def config_from_dict(data: Mapping[str, Any]) -> OmniFlowConfig:
     return config
 
 
-def _without_keys(data: Mapping[str, Any], paths: set[str]) -> dict[str, Any]:
-    """A copy of `data` without `paths`; a path that runs into a list (`reward.reward_functions.0.x`) drops
-    the deepest mapping key it names (`reward.reward_functions`)."""
-    out = _copy_tree(data)
-    for path in paths:
-        node: Any = out
-        parts = path.split(".")
-        for i, part in enumerate(parts):
-            if not isinstance(node, dict) or part not in node:
-                break
-            if i == len(parts) - 1 or not isinstance(node[part], dict):
-                del node[part]
-                break
-            node = node[part]
-    return out
-
-
-def _copy_tree(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _copy_tree(v) if isinstance(v, Mapping) else v for k, v in data.items()}
-
-
 def load_config(files: str | Path | Sequence[str | Path] | None = None, overrides: Sequence[str] = ()) -> OmniFlowConfig:
-    """YAML file(s) (later ones win) + `key.path=value` overrides -> a validated config.
-
-    The defaults in `defaults.yaml` fill every key that neither sets.
-    """
+    """`defaults.yaml`, then YAML file(s) (later ones win), then overrides (`key.path=value`, `+key=value`,
+    `~key`), with `${...}` resolved (see `compose`) -> a validated config."""
     config, problems = load_config_and_problems(files, overrides)
     if problems or config is None:
         raise ConfigError(problems)
@@ -295,19 +183,21 @@ def load_config_and_problems(
         files = []
     elif isinstance(files, (str, Path)):
         files = [files]
-    tree: dict[str, Any] = {}
-    for f in files:
-        tree = deep_merge(tree, read_yaml_file(f))
-    problems: list[ConfigProblem] = []
-    for arg in overrides:
-        try:
-            key, value = parse_override(arg)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            continue
-        set_path(tree, key, value)
-    config, more = config_and_problems(tree)
-    return config, [*problems, *more]
+    layers = [layer for f in files for layer in yaml_layers(f)]
+    return _validated(compose(copy.deepcopy(load_defaults()[0]), layers, overrides))
+
+
+def _validated(composed: Composed) -> tuple[OmniFlowConfig | None, list[ConfigProblem]]:
+    """The composed tree validated; a key added with `+` where the schema takes none says so."""
+    config, more = config_and_problems(composed.tree)
+    more = [ConfigProblem(p.key, p.message + PLUS_NOTE, p.value) if _added_unknown(p, composed.added) else p for p in more]
+    return config, [*composed.problems, *more]
+
+
+def _added_unknown(problem: ConfigProblem, added: set[str]) -> bool:
+    """Whether `problem` is an unknown key that a `+key=value` override added (or added a key below)."""
+    named = any(key == problem.key or key.startswith(f"{problem.key}.") for key in added)
+    return named and problem.message.startswith("unknown key")
 
 
 def with_updates(config: OmniFlowConfig, updates: Mapping[str, Any]) -> OmniFlowConfig:
@@ -337,17 +227,7 @@ def resolve_config_and_problems(
         return load_config_and_problems(files, overrides)
     if not overrides:
         return config, []
-    tree = config.model_dump(mode="python")
-    problems: list[ConfigProblem] = []
-    for arg in overrides:
-        try:
-            key, value = parse_override(arg)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            continue
-        set_path(tree, key, value)
-    resolved, more = config_and_problems(tree)
-    return resolved, [*problems, *more]
+    return _validated(compose(config.model_dump(mode="python"), [], overrides))
 
 
 def with_experiment_suffix(config: OmniFlowConfig, suffix: str) -> OmniFlowConfig:
