@@ -54,6 +54,7 @@ from prefect_ray.context import remote_options
 from pydantic import BaseModel, Field
 
 from omni_core.checkpoint import RunLock
+from omni_core.checkpoint.layout import run_log_dir
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.faults import is_transfer_queue_lost
@@ -116,7 +117,7 @@ def make_run_info(config: OmniFlowConfig) -> RunInfo:
     flow_run_id = str(runtime.flow_run.id or "local")[:8]
     run_id = f"{config.trainer.experiment_name}-{flow_run_id}"
     root = config.trainer.checkpoint_dir.resolve()
-    return RunInfo(run_id=run_id, namespace="omniflow", checkpoint_dir=str(root), log_dir=str(root / "logs" / run_id))
+    return RunInfo(run_id=run_id, namespace="omniflow", checkpoint_dir=str(root), log_dir=str(run_log_dir(root, run_id)))
 
 
 @flow(name="fit", task_runner=RayTaskRunner(), log_prints=True)
