@@ -145,6 +145,11 @@ def _cmd_export(ns: argparse.Namespace) -> int:
         else f"DiffusionPipeline.from_pretrained({info.out_dir!r})"
     )
     print(f"exported {info.checkpoint} (step {info.step}) as {info.format}, {weights}, to {info.out_dir}; load: {load}")
+    if info.kind == "full":
+        print(f"  {info.linked_files} base-model file(s) hard-linked, {info.copied_files} copied (another file system)")
+    print(f"  model card: {info.out_dir}/README.md")
+    if info.registered_model:
+        print(f"  registered in mlflow's model registry as {info.registered_model}")
     return 0
 
 

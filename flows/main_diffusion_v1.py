@@ -59,6 +59,7 @@ from prefect_ray.context import remote_options
 from pydantic import BaseModel, Field
 
 from omni_core.checkpoint import RunLock
+from omni_core.checkpoint.layout import run_log_dir
 from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.faults import epoch_timeout_error, is_transfer_queue_lost
@@ -127,7 +128,7 @@ def make_run_info(config: OmniFlowConfig) -> RunInfo:
         run_id=run_id,
         namespace="omniflow",
         checkpoint_dir=str(root),
-        log_dir=str(root / "logs" / run_id),
+        log_dir=str(run_log_dir(root, run_id)),
         started_at=time.time(),
     )
 

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "__init__",
         },
     ),
-    ("models", {"models", "sde", "checkpoint", "export", "reports", "trackers", "tracking"}),
+    ("models", {"models", "sde", "checkpoint", "export", "model_card", "reports", "trackers", "tracking"}),
     ("rollout", {"rollout", "tq"}),
     ("rewards", {"rewards"}),
     ("algorithms", {"algorithms"}),

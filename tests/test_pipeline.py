@@ -228,7 +228,11 @@ def test_lora_export_loads_with_load_lora_weights(tiny_sd3_dir, tmp_path, one_to
         info = export_checkpoint(tiny_sd3_dir, ckpt, tmp_path / "export")
     assert (info.kind, info.step) == ("lora", 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "global_step_3"]
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["export_info.json", "pytorch_lora_weights.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
+        "README.md",
+        "export_info.json",
+        "pytorch_lora_weights.safetensors",
+    ]
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir, local_files_only=True)
     c = pipe.transformer.config

@@ -14,7 +14,9 @@ checkpoint without one is refused. The checkpoint's `actor/hf` already holds tho
 Otherwise (the trained weights of an EMA run, or `merged`) the weights are loaded into a `FlowPolicy` of the saved
 config (`omni_core.checkpoint.trained.load_checkpoint_weights`), written with `FlowPolicy.save_pretrained` (or the merged
 transformer's `save_pretrained`) as a staged `actor/hf`, and copied the same way. `export_info.json` in the output
-says what was written. Nothing existing is ever overwritten: the output folder must be new or empty.
+says what was written and `README.md` is the model card; the base model's unchanged files are hard links (a copy
+across file systems), and a run that tracked with mlflow gets the export registered (see `omni_core.export`).
+Nothing existing is ever overwritten: the output folder must be new or empty.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from omni_core.checkpoint.trained import (
     require_new_folder,
 )
 from omni_core.config import ConfigError, OmniFlowConfig, load_config, with_updates
-from omni_core.export import HF_DIR, INFO_FILE, ExportInfo, export_checkpoint
+from omni_core.export import HF_DIR, INFO_FILE, ExportInfo, export_checkpoint, write_file
 from omni_core.models.hub import model_folder
 from omni_core.models.loader import check_pipeline_folder
 from omni_core.models.model_index import ModelLoadError
@@ -48,7 +50,8 @@ class CheckpointExport:
     """What `export_trained_checkpoint` wrote (also `export_info.json` in `out_dir`).
 
     `kind` is `"full"` (a whole pipeline) or `"lora"` (an adapter file), as in `omni_core.export.ExportInfo`;
-    `format` the format written (`merged` is a full pipeline); `weights` `"ema"` or `"model"` (the trained weights).
+    `format` the format written (`merged` is a full pipeline); `weights` `"ema"` or `"model"` (the trained weights);
+    `linked_files`, `copied_files` and `registered_model` as in `ExportInfo`.
     """
 
     base_model: str
@@ -58,6 +61,9 @@ class CheckpointExport:
     format: str
     weights: str
     out_dir: str
+    linked_files: int = 0
+    copied_files: int = 0
+    registered_model: str | None = None
 
 
 def export_trained_checkpoint(
@@ -90,14 +96,15 @@ def export_trained_checkpoint(
     config = _saved_config(ckpt, base_model)
     base = model_folder(config.actor_rollout_ref.model)  # a Hub id: its snapshot in the Hugging Face cache
 
+    details = {"format": fmt, "weights": "the EMA" if weights == "ema" else "the trained weights (no EMA)"}
     if fmt != "merged" and weights == ckpt.hf_weights:
-        written = _copy(base, ckpt.path, out, out_dir)  # actor/hf holds exactly these weights
+        written = _copy(base, ckpt.path, out, out_dir, ckpt, details)  # actor/hf holds exactly these weights
     else:
         stage = out.with_name(f".{out.name}.stage-{os.getpid()}")  # a checkpoint-like folder holding only actor/hf
         shutil.rmtree(stage, ignore_errors=True)
         try:
             _write_hf(config, ckpt, weights, merge=fmt == "merged", hf_dir=stage / ACTOR_DIR / HF_DIR)
-            written = _copy(base, stage, out, out_dir)
+            written = _copy(base, stage, out, out_dir, ckpt, details)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     info = CheckpointExport(
@@ -108,8 +115,11 @@ def export_trained_checkpoint(
         format=fmt,
         weights=weights,
         out_dir=written.out_dir,
+        linked_files=written.linked_files,
+        copied_files=written.copied_files,
+        registered_model=written.registered_model,
     )
-    (out / INFO_FILE).write_text(json.dumps(asdict(info), indent=1) + "\n")
+    write_file(out / INFO_FILE, json.dumps(asdict(info), indent=1) + "\n")
     return info
 
 
@@ -130,11 +140,13 @@ def _saved_config(ckpt: TrainedCheckpoint, base_model: str | Path | None) -> Omn
     return config
 
 
-def _copy(base: Path, source: Path, out: Path, out_dir: str | Path) -> ExportInfo:
-    """`export_checkpoint` (base pipeline + `source/actor/hf`, written aside and renamed into `out`); an `out` that
-    is, holds or sits inside the base model or the checkpoint is refused there."""
+def _copy(
+    base: Path, source: Path, out: Path, out_dir: str | Path, ckpt: TrainedCheckpoint, details: dict[str, str]
+) -> ExportInfo:
+    """`export_checkpoint` (base pipeline + `source/actor/hf`, written aside and renamed into `out`; card and registry
+    from `ckpt`); an `out` that is, holds or sits inside the base model or the checkpoint is refused there."""
     try:
-        return export_checkpoint(base, source, out)
+        return export_checkpoint(base, source, out, trained_checkpoint=ckpt.path, details=details)
     except (ValueError, FileExistsError) as exc:
         raise RefusedError(f"OUT={out_dir}: {exc}") from exc
 

@@ -10,6 +10,7 @@
     config.yaml                       the resolved run config
     manifest.json                     files, sizes, sha256s, step, created time (written last)
   .tmp_global_step_<N>_<pid>/         a checkpoint being written, or left by a crash
+  logs/<run id>/metrics.jsonl         each run's step metrics (the `file` logger), run id in controller.json
 ```
 
 Only this module knows these names; the rest of the package asks it.
@@ -29,6 +30,7 @@ ACTOR_DIR = "actor"
 EMA_NAME = "ema"  # <checkpoint>/actor/ema.safetensors: the moving average of the weights (actor.ema)
 LOCK_FILE = ".omniflow.lock"
 TMP_PREFIX = ".tmp_"
+LOGS_DIR = "logs"  # <root>/logs/<run id>/: one run's metrics (metrics.jsonl), TensorBoard and validation images
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
@@ -44,6 +46,11 @@ def step_dir(root: str | Path, step: int) -> Path:
 def tmp_dir(root: str | Path, step: int) -> Path:
     # The pid keeps two writers of the same step (a retry in a new process) from sharing a folder.
     return Path(root) / f"{TMP_PREFIX}{STEP_PREFIX}{int(step)}_{os.getpid()}"
+
+
+def run_log_dir(root: str | Path, run_id: str) -> Path:
+    """Where the run `run_id` of the checkpoint folder `root` logs its metrics: `<root>/logs/<run id>`."""
+    return Path(root) / LOGS_DIR / run_id
 
 
 def parse_step(path: str | Path) -> int | None:

@@ -172,3 +172,50 @@ class MlflowTracker:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def registered_model_name(project: str, experiment: str) -> str:
+    """The registry name of a run's exports: `<trainer.project_name>.<trainer.experiment_name>` (mlflow refuses `/`
+    and `:` in a registered model's name; they become `-`)."""
+    return re.sub(r"[/:]", "-", f"{project}.{experiment}")
+
+
+def register_export(
+    checkpoint_dir: Path, project: str, experiment: str, run_dir: Path, export_dir: Path, step: int | None, kind: str
+) -> str:
+    """A new version of the registered model `registered_model_name(project, experiment)` (created on first use) whose
+    source is the export folder `export_dir`, in the store the run's `mlflow` tracker used (`mlflow_tracking_uri`
+    of `checkpoint_dir`, the folder of the run's checkpoints), linked to the tracker run when the store has it
+    (found by its `omniflow.run_id` tag, from the config's checkpoint folder `run_dir`). Returns `<name>/<version>`.
+
+    Works on mlflow-skinny's SQLite store (the registry tables live in the same database as the runs).
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from omni_core.quiet import drop_library_notices
+    from omni_core.trackers.run import tracker_run_id
+
+    drop_library_notices()
+    uri = mlflow_tracking_uri(checkpoint_dir)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name = registered_model_name(project, experiment)
+    try:
+        client.create_registered_model(name, description=f"OmniFlow exports of the experiment {experiment}")
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    run_id = None
+    experiment_found = client.get_experiment_by_name(project)
+    if experiment_found is not None:
+        tag = tracker_run_id(project, experiment, run_dir)
+        runs = client.search_runs([experiment_found.experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{tag}'", max_results=1)
+        run_id = runs[0].info.run_id if runs else None
+    version = client.create_model_version(
+        name,
+        source=export_dir.resolve().as_uri(),
+        run_id=run_id,
+        tags={MODEL_STEP_TAG: str(step), "omniflow.export_kind": kind},
+        description=f"{kind} export of step {step} in {export_dir}",
+    )
+    return f"{name}/{version.version}"
