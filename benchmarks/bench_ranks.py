@@ -79,7 +79,8 @@ class TimedAllReduceRank(TrainingActor):
         out = super().join_process_group(*args, **kwargs)
         self.bucket_bytes: list[int] = []
         self.bucket_seconds: list[float] = []
-        self.trainer.ddp.register_comm_hook(None, self._timed_allreduce)  # before DDP's first forward (the DDP wrapper is the trainer's)
+        # before DDP's first forward (the DDP wrapper is the trainer's)
+        self.trainer.ddp.register_comm_hook(None, self._timed_allreduce)
         return out
 
     # No annotations on `bucket` and the return: DDP checks them against dist.GradBucket / Future[Tensor] by
