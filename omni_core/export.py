@@ -84,6 +84,7 @@ def export_checkpoint(
     out_dir: str | Path,
     trained_checkpoint: str | Path | None = None,
     details: Mapping[str, str] | None = None,
+    base_model_name: str | None = None,
 ) -> ExportInfo:
     """Write the checkpoint's transformer (full) or adapter (LoRA) to ``out_dir``; returns what was written.
 
@@ -91,7 +92,8 @@ def export_checkpoint(
     files of two checkpoints; any other non-empty folder is refused rather than deleted, and so is a folder
     that is, contains or sits inside the base model or the checkpoint (even one holding ``export_info.json``).
     ``trained_checkpoint``: the training checkpoint the card and the registry describe when ``checkpoint`` is a
-    staging folder that holds only ``actor/hf`` (default ``checkpoint``); ``details``: more rows for the card.
+    staging folder that holds only ``actor/hf`` (default ``checkpoint``); ``details``: more rows for the card;
+    ``base_model_name``: the base as the card names it (a Hub id rather than its snapshot folder; default the folder).
     """
     base, ckpt, out = Path(base_model_dir).resolve(), Path(checkpoint).resolve(), Path(out_dir).resolve()
     trained = Path(trained_checkpoint).resolve() if trained_checkpoint is not None else ckpt
@@ -136,7 +138,7 @@ def export_checkpoint(
         linked_files=link.linked,
         copied_files=link.copied,
     )
-    (tmp / CARD_FILE).write_text(model_card(str(base), trained, step, kind, out, details))
+    (tmp / CARD_FILE).write_text(model_card(base_model_name or str(base), trained, step, kind, out, details))
     (tmp / INFO_FILE).write_text(json.dumps(asdict(info), indent=1) + "\n")
     if out.exists():
         shutil.rmtree(out)  # unlinks an earlier export's links: the base's files stay

@@ -249,3 +249,12 @@ def test_the_export_task_materializes_the_export_folder_as_a_prefect_asset(prefe
     payload = events[0]["payload"]
     assert (payload["kind"], payload["step"], payload["checkpoint"]) == ("full", STEP, str(full_checkpoint.resolve()))
     assert payload["linked_files"] == info["linked_files"] > 10
+
+
+def test_the_card_names_a_hub_base_by_its_id_not_its_cache_folder(full_checkpoint, tiny_sd3_dir, tmp_path):
+    """A base given as a Hub id is loaded from its snapshot folder in the HF cache; the card says the id."""
+    export_checkpoint(
+        tiny_sd3_dir, full_checkpoint, tmp_path / "export", base_model_name="stabilityai/stable-diffusion-3.5-medium"
+    )
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "base_model: stabilityai/stable-diffusion-3.5-medium" in card and str(tiny_sd3_dir) not in card.split("---")[1]

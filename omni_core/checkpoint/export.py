@@ -97,6 +97,8 @@ def export_trained_checkpoint(
     base = model_folder(config.actor_rollout_ref.model)  # a Hub id: its snapshot in the Hugging Face cache
 
     details = {"format": fmt, "weights": "the EMA" if weights == "ema" else "the trained weights (no EMA)"}
+    if not Path(config.actor_rollout_ref.model.path).expanduser().exists():  # a Hub id: the card names it, not the cache
+        details["_base_model_name"] = config.actor_rollout_ref.model.path
     if fmt != "merged" and weights == ckpt.hf_weights:
         written = _copy(base, ckpt.path, out, out_dir, ckpt, details)  # actor/hf holds exactly these weights
     else:
@@ -146,7 +148,9 @@ def _copy(
     """`export_checkpoint` (base pipeline + `source/actor/hf`, written aside and renamed into `out`; card and registry
     from `ckpt`); an `out` that is, holds or sits inside the base model or the checkpoint is refused there."""
     try:
-        return export_checkpoint(base, source, out, trained_checkpoint=ckpt.path, details=details)
+        rows = {k: v for k, v in details.items() if not k.startswith("_")}  # "_base_model_name": not a card row
+        name = details.get("_base_model_name")
+        return export_checkpoint(base, source, out, trained_checkpoint=ckpt.path, details=rows, base_model_name=name)
     except (ValueError, FileExistsError) as exc:
         raise RefusedError(f"OUT={out_dir}: {exc}") from exc
 
