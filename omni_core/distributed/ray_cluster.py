@@ -15,6 +15,7 @@ than the run needs until it scales: the run first asks Ray's autoscaler for its 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -69,15 +70,29 @@ PASSED_ENV_VARS = (
 NO_PRESTARTED_WORKERS = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
+def ray_job_runtime_env() -> dict[str, Any]:
+    """The `runtime_env` of the Ray job whose driver this process is (`ray job submit`, `omniflow ray-job`, a KubeRay
+    RayJob: Ray passes the job's config in an environment variable); empty outside a job."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    raw = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    return dict(json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
 def worker_runtime_env(user_env: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run's Ray `runtime_env`: `ray_kwargs.ray_init.runtime_env` with OmniFlow's env vars merged in.
 
     OmniFlow's `PASSED_ENV_VARS` (those set in this process) join the user's `env_vars`; on a clash the
     user's value wins, and the user's other runtime_env keys (pip, working_dir, ...) pass through as given.
+    In a Ray job's driver, what the job's own runtime_env sets (a field, an env var) is left out: Ray already applies
+    it to every worker of the job, and refuses a `ray.init` that sets it again (tried with Ray 2.60).
     """
     env = dict(user_env or {})
     ours = {k: os.environ[k] for k in PASSED_ENV_VARS if k in os.environ}
     env["env_vars"] = {**ours, **dict(env.get("env_vars") or {})}
+    job = ray_job_runtime_env()
+    env = {k: v for k, v in env.items() if k == "env_vars" or k not in job}
+    env["env_vars"] = {k: v for k, v in env["env_vars"].items() if k not in (job.get("env_vars") or {})}
     return env
 
 
