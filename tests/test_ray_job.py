@@ -136,6 +136,18 @@ def test_the_default_entrypoint_is_omniflow_train_joined_to_the_jobs_cluster_wit
     }  # the user's env_vars win; their other keys pass through
 
 
+def test_the_ray_job_deployment_offers_the_form_a_ui_user_fills_in():
+    from omniflow.deployments.definitions import KUBERAY_DASHBOARD, local_deployments
+
+    from omni_core.config import load_config
+
+    (dep,) = [d for d in local_deployments() if d.name == "ray-job"]
+    assert dep.entrypoint == "omniflow.flows.ray_job.ray_job"
+    assert {"address", "overrides", "config_files", "runtime_env"} <= set(dep._parameter_openapi_schema.properties)
+    assert dep.parameters["address"] == KUBERAY_DASHBOARD
+    assert load_config(overrides=dep.parameters["overrides"]).trainer.device == "cuda"
+
+
 def test_a_job_runs_to_succeeded_and_its_lines_are_in_the_flow_runs_logs(head, token, prefect_api):
     from omniflow.flows.ray_job import ray_job
 
