@@ -3,7 +3,8 @@ registers on work pools (both through Prefect's own `RunnerDeployment`, with `fl
 
 Two kinds:
 - local deployments (`local_deployments`): served from one process by `omniflow serve`, or registered on a
-  process work pool by `omniflow deploy` (default pool `omniflow-process`);
+  process work pool by `omniflow deploy` (default pool `omniflow-process`). `ray-job` among them only submits: the
+  training runs as a Ray job on an existing cluster (a KubeRay RayCluster), its logs followed in the run;
 - container deployments (`container_deployments`): the pipeline on a GPU, for a `docker` work pool (a
   container of the image the repository's Dockerfile builds, given every GPU of the host) and for a
   `kubernetes` work pool whose base job template is `examples/cluster/k8s-gpu-base-job-template.json`
@@ -49,6 +50,9 @@ DOCKER_WORKDIR = "/home/omniflow/work"
 # The image a Kubernetes cluster pulls, and the shared volume of examples/cluster/kuberay-raycluster.yaml.
 KUBERNETES_IMAGE = "registry.example.com/omniflow:cuda"
 SHARED = "/mnt/shared"
+# The job API of examples/cluster/kuberay-raycluster.yaml from inside the Kubernetes cluster: KubeRay's head service
+# `<RayCluster name>-head-svc`, dashboard port 8265.
+KUBERAY_DASHBOARD = "http://omniflow-head-svc:8265"
 
 
 def docker_gpu_job_variables(image: str = DOCKER_IMAGE) -> dict[str, Any]:
@@ -93,6 +97,7 @@ def local_deployments() -> list[RunnerDeployment]:
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
     from omniflow.flows.pipeline import diffusion_rl_pipeline
     from omniflow.flows.procedural_geneval import procedural_geneval
+    from omniflow.flows.ray_job import ray_job
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
@@ -162,6 +167,31 @@ def local_deployments() -> list[RunnerDeployment]:
             version=VERSION,
             concurrency_limit=one_run_at_a_time(),
             parameters={"out_dir": "outputs/procedural-geneval", "seed": 0},
+            entrypoint_type=module,
+        ),
+        ray_job.to_deployment(
+            name="ray-job",
+            description=(
+                "Flow-GRPO fine-tune as a job on an existing Ray cluster (its dashboard's job API at `address`): the job "
+                "runs `omniflow train <config_files> <overrides> ray_kwargs.ray_init.address=auto` on the cluster, "
+                "reports to this Prefect API as a flow run of its own, and its log lines show in this run; cancelling "
+                "this run stops the job. Paths are the cluster's (its shared volume); the defaults fit "
+                "examples/cluster/kuberay-raycluster.yaml. Whoever can run this deployment runs code on that cluster."
+            ),
+            tags=["omniflow", "flow-grpo", "ray-job", "cluster"],
+            version=VERSION,
+            # no concurrency limit: runs of different experiments may share a cluster (one experiment's folder is
+            # refused to a second run while one trains in it)
+            parameters={
+                "address": KUBERAY_DASHBOARD,
+                "overrides": [
+                    "trainer.device=cuda",
+                    f"actor_rollout_ref.model.path={SHARED}/models/tiny-sd3",
+                    "trainer.experiment_name=tiny-sd3-ray-job",
+                    f"trainer.default_local_dir={SHARED}/omniflow/checkpoints/tiny-sd3-ray-job",
+                ],
+                "runtime_env": {"env_vars": {"PREFECT_RESULTS_LOCAL_STORAGE_PATH": f"{SHARED}/omniflow/prefect-results"}},
+            },
             entrypoint_type=module,
         ),
     ]

@@ -95,6 +95,39 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return run_training([*_hydra_options(ns), *ns.args])
 
 
+def _cmd_ray_job(ns: argparse.Namespace) -> int:
+    """The `ray_job` flow with the same runner as `omniflow train` (embedded Prefect API unless PREFECT_API_URL is set,
+    SIGTERM as Ctrl-C: the job is stopped, exit 130)."""
+    from omniflow.flows.runner import run_flow_from_cli
+
+    from omni_core.config import load_config
+    from omni_core.distributed.ray_job import train_entrypoint
+
+    files, overrides = split_files_and_overrides(ns.args)
+    if not ns.address:
+        print("omniflow ray-job: give --address http://<head>:8265 (or set RAY_API_SERVER_ADDRESS)", file=sys.stderr)
+        return 2
+    try:
+        runtime_env = json.loads(ns.runtime_env) if ns.runtime_env else None
+        train_entrypoint(overrides, files)  # an address override is refused
+        load_config(overrides=overrides)  # keys and types; the files and paths are the cluster's, checked by the job
+    except (ValueError, json.JSONDecodeError) as exc:  # ConfigError is a ValueError
+        print(f"omniflow ray-job: {exc}", file=sys.stderr)
+        return 2
+    parameters = {
+        "address": ns.address,
+        "overrides": overrides,
+        "config_files": files,
+        "runtime_env": runtime_env,
+        "entrypoint": ns.entrypoint,
+    }
+
+    def report(result) -> None:
+        print(f"omniflow ray-job: Ray job {result.job_id} {result.status}: {result.entrypoint}", flush=True)
+
+    return run_flow_from_cli("omniflow ray-job", "omniflow.flows.ray_job:ray_job", parameters, report)
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from omniflow.deployments.serve import main as serve_main
 
@@ -228,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run main_diffusion_v1: omniflow train [FILE ...] [key=value ...]")
     _add_config_arguments(train)
     train.set_defaults(func=_cmd_train)
+
+    ray_job = sub.add_parser(
+        "ray-job",
+        help="run main_diffusion_v1 as a job on an existing Ray cluster, its logs here: "
+        "omniflow ray-job --address http://HEAD:8265 [FILE ...] [key=value ...]",
+    )
+    ray_job.add_argument(
+        "--address",
+        default=os.environ.get("RAY_API_SERVER_ADDRESS"),
+        help="the cluster's Ray dashboard (job API), e.g. http://head:8265 (default: $RAY_API_SERVER_ADDRESS)",
+    )
+    ray_job.add_argument(
+        "--runtime-env", help='the job\'s Ray runtime_env as JSON, e.g. \'{"env_vars": {"HF_HOME": "/mnt/shared/hf"}}\''
+    )
+    ray_job.add_argument("--entrypoint", help="another shell command to run as the job instead of omniflow train")
+    ray_job.add_argument("args", nargs="*", help="YAML files on the cluster, then key.path=value overrides")
+    ray_job.set_defaults(func=_cmd_ray_job)
 
     serve = sub.add_parser(
         "serve", help="serve the deployments of deployments/definitions.py (schedules, UI-triggered runs) from this process"

@@ -234,6 +234,17 @@ def resource_plan(config: Any) -> ResourcePlan:
     return ResourcePlan(device=device, bundles=tuple(bundles), training=training, rollout=rollout)
 
 
+def autoscaler_bundles(config: Any) -> list[dict[str, float]]:
+    """What a run of `config` asks Ray's autoscaler for before it checks a joined cluster's capacity
+    (`ray.autoscaler.sdk.request_resources(bundles=...)`): the bundles of its placement group (`resource_plan`), then
+    one 1-CPU bundle for each other CPU of `run_resource_budget` (TransferQueue's controller and storage units, the
+    fit_epoch task), so that the cluster the autoscaler grows holds the whole budget, bundle by bundle."""
+    plan = resource_plan(config)
+    budget = run_resource_budget(config)
+    in_plan = sum(int(b.get("CPU", 0)) for b in plan.bundles)
+    return [*(dict(b) for b in plan.bundles), *({"CPU": 1.0} for _ in range(budget.total_cpus - in_plan))]
+
+
 def evaluation_resources(config: Any) -> dict[str, Any]:
     """Ray options of an evaluation task: one CPU and a whole device of `trainer.device` (none on cpu)."""
     options: dict[str, Any] = {"num_cpus": ROLLOUT_WORKER_CPUS}

@@ -103,6 +103,7 @@ HEAVY_GROUPS = {
     "test_reward_server": 18,
     "test_reward_faults": 16,
     "test_library_use": 15,
+    "test_ray_job": 70,
 }
 
 

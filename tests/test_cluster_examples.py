@@ -5,7 +5,9 @@ ray.io/v1 RayCluster CRD requires (its schema ships with the operator, not with 
 train script's real `omniflow train` command line against OmniFlow's config schema.
 
 Both clusters: a head plus a GPU worker group, RAY_AUTH_MODE=token on every node, and one shared volume at
-the path the train script puts the model and the checkpoints under.
+the path the train script puts the model and the checkpoints under. The KubeRay RayJob: `omniflow train` joined to
+the job's own cluster, a CPU-only head, autoscaled GPU workers, PREFECT_API_URL on the driver's pod, the cluster
+deleted after the job.
 """
 
 from __future__ import annotations
@@ -112,3 +114,56 @@ def test_the_ray_cluster_launcher_yaml_passes_rays_schema_and_config_validation(
     assert config["file_mounts"]["~/omniflow"] == "."
     assert "bash ~/omniflow/examples/cluster/omniflow-train.sh" in (CLUSTER / "ray-cluster.yaml").read_text()
     assert SCRIPT.is_file() and subprocess.run(["bash", "-n", str(SCRIPT)], timeout=30).returncode == 0
+
+
+def test_the_kuberay_rayjob_runs_omniflow_train_on_a_cpu_head_and_autoscaled_gpu_workers_reporting_to_prefect():
+    import shlex
+
+    from omni_core.config import load_config
+
+    (job,) = yaml.safe_load_all((CLUSTER / "kuberay-rayjob.yaml").read_text())
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob" and job["metadata"]["name"]
+    spec = job["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] >= 0
+    assert yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]["PYTHONUNBUFFERED"] == "1"
+
+    # The entrypoint is `omniflow train` joined to the job's own cluster, every key valid, everything on the shared volume.
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[:2] == ["omniflow", "train"], argv
+    config = load_config(overrides=argv[2:])
+    assert config.ray_kwargs.ray_init.address == "auto" and config.trainer.device == "cuda"
+    assert Path(config.actor_rollout_ref.model.path).is_relative_to(SHARED)
+    assert config.trainer.checkpoint_dir.is_relative_to(SHARED) and config.trainer.checkpoint_dir.is_absolute()
+
+    cluster = spec["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    head, groups = cluster["headGroupSpec"], cluster["workerGroupSpecs"]
+    assert all(isinstance(v, str) for v in head["rayStartParams"].values())  # a map of strings (the CRD)
+    # A CPU-only head: CPUs declared for its own work, no GPU to Ray and none from Kubernetes.
+    assert int(head["rayStartParams"]["num-cpus"]) >= 1 and head["rayStartParams"]["num-gpus"] == "0"
+    head_pod = head["template"]["spec"]
+    for container in head_pod["containers"]:
+        assert not any("gpu" in k for part in container["resources"].values() for k in part), container["resources"]
+    # GPU workers the autoscaler can add: min <= replicas < max.
+    for group in groups:
+        assert {"groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"} <= set(group), group
+        assert 0 <= group["minReplicas"] <= group["replicas"] < group["maxReplicas"], group
+    assert all(int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1 for g in groups for c in g["template"]["spec"]["containers"])
+
+    # The driver (on the head) reports to the Prefect API of a ConfigMap; token auth on every pod and the submitter.
+    (head_env,) = _all_node_env(head_pod)
+    assert head_env["PREFECT_API_URL"]["valueFrom"]["configMapKeyRef"]["key"], head_env
+    pods = [head_pod, spec["submitterPodTemplate"]["spec"], *(g["template"]["spec"] for g in groups)]
+    for pod in pods:
+        for env in _all_node_env(pod):
+            assert env["RAY_AUTH_MODE"]["value"] == "token", env
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "auth_token", env
+    # The shared claim of kuberay-raycluster.yaml at SHARED in the cluster's pods.
+    (claim,) = [
+        d for d in yaml.safe_load_all((CLUSTER / "kuberay-raycluster.yaml").read_text()) if d["kind"] == "PersistentVolumeClaim"
+    ]
+    for pod in pods[:1] + pods[2:]:
+        shared = {
+            v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]
+        }
+        assert [m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] in shared] == [SHARED]

@@ -576,6 +576,7 @@ _rk = _Section("ray_kwargs")
 
 class RayKwargsConfig(ConfigModel):
     ray_init: RayInitConfig = _rk.section("ray_init", RayInitConfig)
+    capacity_wait_s: PositiveFloat = _rk("capacity_wait_s")
 
 
 # -------------------------------------------------------------------------------------- the root

@@ -7,17 +7,21 @@ cluster, only `runtime_env` when joining one (validation refuses the cluster-sha
 workers' `runtime_env.env_vars` merge the user's with the ones OmniFlow passes, the user's winning.
 
 Ray leaves a task that asks for absent resources pending forever (docs/design.md section 7), so the
-resource check runs before anything is submitted.
+resource check runs before anything is submitted. A joined cluster may be an autoscaling one that holds less
+than the run needs until it scales: the run first asks Ray's autoscaler for its bundles
+(`request_run_resources`), then waits up to `ray_kwargs.capacity_wait_s` for them (`wait_for_capacity`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +32,14 @@ import ray
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
 from omni_core.distributed.ray_auth import accepts_unauthenticated_requests, gcs_address_of, token_auth_warning
 from omni_core.quiet import drop_library_notices
-from omni_core.resources import run_resource_budget
+from omni_core.resources import autoscaler_bundles, run_resource_budget
 from omni_core.tq.client import TQ_NUM_THREADS_DEFAULT
 
 NAMESPACE = "omniflow"
+# How often `wait_for_capacity` reads the cluster's resources again.
+CAPACITY_POLL_S = 1.0
+
+log = logging.getLogger("omniflow.ray_cluster")
 
 
 # glibc malloc settings of the run's Ray workers: keep freed memory for the next allocation instead of returning
@@ -64,15 +72,29 @@ PASSED_ENV_VARS = (
 NO_PRESTARTED_WORKERS = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
+def ray_job_runtime_env() -> dict[str, Any]:
+    """The `runtime_env` of the Ray job whose driver this process is (`ray job submit`, `omniflow ray-job`, a KubeRay
+    RayJob: Ray passes the job's config in an environment variable); empty outside a job."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    raw = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    return dict(json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
 def worker_runtime_env(user_env: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run's Ray `runtime_env`: `ray_kwargs.ray_init.runtime_env` with OmniFlow's env vars merged in.
 
     OmniFlow's `PASSED_ENV_VARS` (those set in this process) join the user's `env_vars`; on a clash the
     user's value wins, and the user's other runtime_env keys (pip, working_dir, ...) pass through as given.
+    In a Ray job's driver, what the job's own runtime_env sets (a field, an env var) is left out: Ray already applies
+    it to every worker of the job, and refuses a `ray.init` that sets it again (tried with Ray 2.60).
     """
     env = dict(user_env or {})
     ours = {k: os.environ[k] for k in PASSED_ENV_VARS if k in os.environ}
     env["env_vars"] = {**ours, **dict(env.get("env_vars") or {})}
+    job = ray_job_runtime_env()
+    env = {k: v for k, v in env.items() if k == "env_vars" or k not in job}
+    env["env_vars"] = {k: v for k, v in env["env_vars"].items() if k not in (job.get("env_vars") or {})}
     return env
 
 
@@ -204,6 +226,60 @@ def check_cluster_devices(config: OmniFlowConfig, resources: dict[str, Any] | No
         raise ConfigError(problems)
 
 
+def request_run_resources(config: OmniFlowConfig) -> list[dict[str, float]]:
+    """Ask the joined cluster's autoscaler for the run's bundles (`resources.autoscaler_bundles`); returns them.
+
+    `request_resources` is one request per cluster (the last call wins) and persists until replaced, so the run
+    withdraws it when it ends (`withdraw_resource_request`). A cluster without an autoscaler keeps the request
+    unread."""
+    from ray.autoscaler.sdk import request_resources
+
+    global _requested_resources
+    bundles = autoscaler_bundles(config)
+    request_resources(bundles=bundles)
+    _requested_resources = True
+    return bundles
+
+
+def withdraw_resource_request() -> None:
+    """Replace this process's autoscaler request with an empty one, so the cluster may scale down again (the
+    run's placement group and actors, while they live, keep their nodes anyway). Never fails a close."""
+    global _requested_resources
+    if not _requested_resources or not ray.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[])
+    _requested_resources = False
+
+
+def wait_for_capacity(config: OmniFlowConfig, wait_s: float, poll_s: float = CAPACITY_POLL_S) -> None:
+    """`check_cluster_devices` until it passes or `wait_s` seconds have passed (an autoscaling cluster adds nodes
+    meanwhile); then its error, with `ray_kwargs.capacity_wait_s` named as the bound that ran out."""
+    deadline = time.monotonic() + wait_s
+    logged = False
+    while True:
+        try:
+            check_cluster_devices(config)
+            return
+        except ConfigError as exc:
+            if time.monotonic() >= deadline:
+                waited = ConfigProblem(
+                    "ray_kwargs.capacity_wait_s",
+                    f"the run waited {wait_s:g}s for the joined cluster (and its autoscaler, asked for the run's bundles) "
+                    "to hold its resources; raise it for a cluster that scales up slower, or add nodes",
+                    wait_s,
+                )
+                raise ConfigError([*exc.problems, waited]) from None
+            if not logged:
+                log.warning(f"waiting up to {wait_s:g}s (ray_kwargs.capacity_wait_s) for the Ray cluster to scale up: {exc}")
+                logged = True
+        time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+
+
+# Whether this process has an autoscaler request in place (`request_run_resources`), withdrawn when the run closes.
+_requested_resources = False
 # Whether `start_run_cluster` in this process started the Ray cluster that is still up: a retried
 # init_transfer_queue finds Ray initialised by its own earlier try, and must still report (and close) it as
 # this run's.
@@ -228,7 +304,8 @@ class RunCluster:
 
 def connect_run_cluster(config: OmniFlowConfig) -> RunCluster:
     """Connect Ray, check that every node sees the run's folders (`shared_storage`, multi-node clusters only)
-    and that the cluster holds the run's resource budget (the TransferQueue's reservations included).
+    and that the cluster holds the run's resource budget (the TransferQueue's reservations included). A joined
+    cluster is first asked to scale to the run's bundles and then given `ray_kwargs.capacity_wait_s` to hold them.
 
     A failure after this call started a local cluster stops that cluster again, so a retry starts clean.
     """
@@ -236,10 +313,17 @@ def connect_run_cluster(config: OmniFlowConfig) -> RunCluster:
     from omni_core.distributed.shared_storage import check_shared_storage
 
     _started_ray = connect_ray(config) or (_started_ray and ray.is_initialized())
+    joined = config.ray_kwargs.ray_init.address is not None
     try:
+        if joined:
+            request_run_resources(config)  # the autoscaler works while the storage check runs
         check_shared_storage(config)
-        check_cluster_devices(config)
+        if joined:
+            wait_for_capacity(config, config.ray_kwargs.capacity_wait_s)
+        else:
+            check_cluster_devices(config)
     except BaseException:
+        withdraw_resource_request()
         if _started_ray:
             ray.shutdown()
             _started_ray = False
@@ -278,6 +362,7 @@ def close_run(trainer: Any, owns_ray: bool) -> None:
     if trainer is not None and ray.is_initialized():
         trainer.close()
     close_transfer_queue()
+    withdraw_resource_request()
     # `_started_ray` also covers a run whose init_transfer_queue task failed after starting Ray (owns_ray unknown).
     if owns_ray or _started_ray:
         ray.shutdown()

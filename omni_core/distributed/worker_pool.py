@@ -18,11 +18,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from omni_core.records import WorkerNames
 from omni_core.resources import ActorSlot, ResourcePlan
 
+# The ready wait on a local cluster (it cannot grow); a joined one waits `ray_kwargs.capacity_wait_s` (`pool_wait_s`).
 POOL_READY_TIMEOUT_S = 120.0
 
 
 def pool_name(names: WorkerNames) -> str:
     return f"omniflow-{names.run_id}-pool"
+
+
+def pool_wait_s(config: Any) -> float:
+    """How long `create_pool` waits for the placement group of a run of `config`: `ray_kwargs.capacity_wait_s` on a
+    joined cluster (an autoscaler may be adding the nodes), `POOL_READY_TIMEOUT_S` on a local one."""
+    return config.ray_kwargs.capacity_wait_s if config.ray_kwargs.ray_init.address else POOL_READY_TIMEOUT_S
 
 
 def create_pool(plan: ResourcePlan, names: WorkerNames, timeout_s: float = POOL_READY_TIMEOUT_S) -> PlacementGroup:
@@ -39,7 +46,8 @@ def create_pool(plan: ResourcePlan, names: WorkerNames, timeout_s: float = POOL_
         raise RuntimeError(
             f"Ray could not reserve the run's resources within {timeout_s:.0f}s: bundles {list(plan.bundles)} "
             f"(strategy {plan.strategy}); the cluster has {ray.available_resources()} available. Lower "
-            "trainer.n_gpus_per_node / rollout.agent.num_workers or add resources"
+            "trainer.n_gpus_per_node / rollout.agent.num_workers, add resources, or (on a joined cluster that scales "
+            "up) raise ray_kwargs.capacity_wait_s"
         ) from None
     return group
 

@@ -41,7 +41,7 @@ from omni_core.data.dataloader import PromptDataLoader
 from omni_core.data.prompts import PromptRecord
 from omni_core.distributed.run_control import kill_run_actors, raise_if_stop_requested, start_run_control
 from omni_core.distributed.worker_logs import ActorLogs
-from omni_core.distributed.worker_pool import actor_options, create_pool, remove_pool
+from omni_core.distributed.worker_pool import actor_options, create_pool, pool_wait_s, remove_pool
 from omni_core.faults import is_out_of_memory, out_of_memory_error
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.images import save_image_grid
@@ -170,7 +170,7 @@ class PolicyGradientDiffusionTrainerV1:
         if self.ranks is not None:
             return  # a retried init_trainer: keep the ranks (and their owning handles) of the failed try; `_restore` resets them
         names, plan = self.run.names, resource_plan(self.config)
-        pool = create_pool(plan, names)
+        pool = create_pool(plan, names, pool_wait_s(self.config))
         options = [actor_options(pool, slot, plan) for slot in plan.training]
         # get_if_exists (in `create`): actors of this run started by another handle are reused instead of failing
         # on "name already taken".
@@ -195,7 +195,7 @@ class PolicyGradientDiffusionTrainerV1:
             self.agent_loop = AgentLoopManager.in_training_ranks(self.ranks.handles, self.run.names)
             return
         plan = resource_plan(self.config)
-        pool = create_pool(plan, self.run.names)
+        pool = create_pool(plan, self.run.names, pool_wait_s(self.config))
         options = [actor_options(pool, slot, plan) for slot in plan.rollout]
         self.agent_loop = AgentLoopManager.start(
             self.config.model_dump(mode="json"),
