@@ -149,7 +149,11 @@ def test_pipeline_trains_evaluates_and_exports(pipeline_run):
         "step": 1,
         "kind": "full",
         "out_dir": None,
+        "linked_files": info["linked_files"],  # the base's unchanged files, hard links (tests/test_export_handoff.py)
+        "copied_files": 0,
+        "registered_model": None,  # no mlflow tracker
     }
+    assert info["linked_files"] > 0
 
 
 def test_reward_before_is_the_base_model_and_matches_diffusers(pipeline_run, one_torch_thread):

@@ -26,7 +26,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
-from omni_core.models.hub import TRANSFORMERS_SKIP, resolve_model_path
+from omni_core.models.hub import TRANSFORMERS_SKIP, is_hub_id, resolve_model_path
 from omni_core.models.model_index import ModelLoadError
 from omni_core.rewards.entries import entry_kind
 
@@ -147,6 +147,8 @@ def files_every_node_reads(config: OmniFlowConfig) -> list[tuple[str, str]]:
 def _cached_folder(path: str, revision: str | None, skip: list[str] | None = None) -> Path:
     # A Hub id is read where the driver's Hugging Face cache holds it: several nodes need that cache on shared
     # storage (or the model downloaded into each node's cache at the same path); one not cached yet stays as written.
+    if not is_hub_id(path):
+        return Path(path)  # as written: each node expands `~` itself, as its workers will
     try:
         return resolve_model_path(path, revision, skip=skip, download=False)
     except ModelLoadError:
