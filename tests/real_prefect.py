@@ -33,9 +33,15 @@ def server_env(url: str, home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def prefect_cli(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def prefect_command() -> list[str]:
+    """The `prefect` command of this interpreter: its script beside it, or `python -m prefect` (a virtual environment
+    that sees prefect in the system's site packages has no script of its own)."""
     exe = Path(sys.executable).with_name("prefect")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "prefect"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "prefect"]
+
+
+def prefect_cli(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = prefect_command()
     return subprocess.run([*cmd, "--no-prompt", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 

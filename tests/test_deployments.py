@@ -33,7 +33,18 @@ from prefect.client.schemas.filters import (
     FlowRunFilterState,
     FlowRunFilterStateType,
 )
-from real_prefect import REPO, api, deployment, prefect_cli, server_env, start_process, stop_process, wait_final, wait_gone
+from real_prefect import (
+    REPO,
+    api,
+    deployment,
+    prefect_cli,
+    prefect_command,
+    server_env,
+    start_process,
+    stop_process,
+    wait_final,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,7 +111,7 @@ def stack(tmp_path_factory, flow_overrides):
             timeout=240,
         )
         assert s.deploy_output.returncode == 0, s.deploy_output.stdout[-3000:] + s.deploy_output.stderr[-3000:]
-        prefect = [str(Path(sys.executable).with_name("prefect"))]
+        prefect = prefect_command()
         s.worker = start_process(
             [*prefect, "worker", "start", "--pool", "omniflow-process"], pooled_env, root, root / "worker.log"
         )

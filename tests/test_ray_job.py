@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 from ray_heads import RayNode, ray_cluster
@@ -91,8 +92,9 @@ def _python(script: str, *args: str) -> str:
     return shlex.join([sys.executable, "-c", script, *args])
 
 
-def _flow_run_logs(flow_run_id, expected: list[str], timeout_s: float = 60) -> list[str]:
-    """The flow run's log messages once every `expected` text is among them (logs reach the API in batches)."""
+def _flow_run_logs(flow_run_id, done: Callable[[list[str]], bool], timeout_s: float = 60) -> list[str]:
+    """The flow run's log messages once `done(messages)` holds (logs reach the API in batches; a job's line must be
+    waited for as a whole message: the submit task's line quotes the entrypoint, which holds the same text)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
@@ -101,7 +103,7 @@ def _flow_run_logs(flow_run_id, expected: list[str], timeout_s: float = 60) -> l
         while True:
             logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
             messages = [log.message for log in logs]
-            if all(any(e in m for m in messages) for e in expected) or time.monotonic() > deadline:
+            if done(messages) or time.monotonic() > deadline:
                 return messages
             time.sleep(0.5)
 
@@ -166,7 +168,12 @@ def test_a_job_runs_to_succeeded_and_its_lines_are_in_the_flow_runs_logs(head, t
     # The head's GCS port (a job sees the node under its routable IP, this process under 127.0.0.1) and its CPUs.
     port = head.address.rsplit(":", 1)[1]
     expected = [f"PREFECT_API_URL {prefect_api}", f"OMNIFLOW_TEST_MARK {mark}", "RAY_AUTH_MODE token"]
-    messages = _flow_run_logs(state.state_details.flow_run_id, [*expected, f":{port} cpus {HEAD_CPUS}"])
+    joined = f":{port} cpus {HEAD_CPUS}"
+
+    def done(messages: list[str]) -> bool:
+        return all(line in messages for line in expected) and any(m.endswith(joined) for m in messages)
+
+    messages = _flow_run_logs(state.state_details.flow_run_id, done)
     for line in expected:
         assert line in messages, (line, "\n".join(messages))
     assert any(m.startswith("joined ") and m.endswith(f":{port} cpus {HEAD_CPUS}") for m in messages), messages
@@ -182,7 +189,7 @@ def test_a_job_that_fails_fails_the_flow_with_its_status_and_message(head, token
     )
     assert state.is_failed()
     assert "ended FAILED" in state.message and "exit code 3" in state.message, state.message
-    assert "about to fail" in _flow_run_logs(state.state_details.flow_run_id, ["about to fail"])
+    assert "about to fail" in _flow_run_logs(state.state_details.flow_run_id, lambda messages: "about to fail" in messages)
 
 
 def test_sigterm_to_omniflow_ray_job_stops_the_job_and_exits_130(head, token, prefect_api, tmp_path):
