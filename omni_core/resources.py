@@ -167,6 +167,25 @@ def gpu_slot_request(config: Any, cluster: str, cluster_gpus: int, gpus: int | N
     return GpuSlotRequest(limit=name, occupy=occupy, size=size)
 
 
+def check_gpu_limit_size(request: GpuSlotRequest, size: int, what: str) -> None:
+    """Refuse, naming the key, a limit of `size` slots that `request` could never get (it would wait forever)."""
+    if size >= request.occupy:
+        return
+    from omni_core.config.errors import ConfigError, ConfigProblem
+
+    raise ConfigError(
+        [
+            ConfigProblem(
+                "trainer.concurrency.gpu_limit",
+                f"{what} needs {request.occupy} slots (one per GPU) of global concurrency limit {request.limit!r}, "
+                f"which has {size}: it would wait forever. Raise the limit (`prefect gcl update {request.limit} "
+                f"--limit {request.occupy}`, or the UI's Concurrency page) or name another one",
+                request.limit,
+            )
+        ]
+    )
+
+
 # ------------------------------------------------------------------------------------ placement plan
 @dataclass(frozen=True)
 class ActorSlot:

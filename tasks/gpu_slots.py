@@ -14,15 +14,14 @@ them when the lease runs out. Runs outside Prefect take no slot; the checkpoint 
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 
 from prefect import get_run_logger
 
 from omni_core.config import OmniFlowConfig
-from omni_core.config.errors import ConfigError, ConfigProblem
-from omni_core.resources import gpu_slot_request
+from omni_core.distributed.ray_cluster import ray_cluster_label
+from omni_core.resources import check_gpu_limit_size, gpu_slot_request
 
 # The shortest lease Prefect's server grants (its minimum): how long a slot outlives a holder that was killed.
 SLOT_LEASE_S = 60.0
@@ -44,17 +43,6 @@ def ensure_gpu_limit(name: str, size: int) -> int:
         return client.read_global_concurrency_limit_by_name(name).limit
 
 
-def ray_cluster_label(config: OmniFlowConfig) -> tuple[str, int]:
-    """(label, GPUs) of the run's Ray cluster: this host's name for a local cluster, the GCS address of a joined one."""
-    import ray
-
-    if not ray.is_initialized():
-        return socket.gethostname(), 0
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    joined = bool(config.ray_kwargs.ray_init.address)
-    return (ray.get_runtime_context().gcs_address if joined else socket.gethostname()), gpus
-
-
 @contextlib.contextmanager
 def gpu_slots(config: OmniFlowConfig, what: str, gpus: int | None = None) -> Iterator[None]:
     """Within: the slots `gpu_slot_request` gives `config` (`gpus`: the devices this work uses, default the run's);
@@ -67,18 +55,7 @@ def gpu_slots(config: OmniFlowConfig, what: str, gpus: int | None = None) -> Ite
 
     log = get_run_logger()
     size = ensure_gpu_limit(request.limit, request.size)
-    if size < request.occupy:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "trainer.concurrency.gpu_limit",
-                    f"{what} needs {request.occupy} slots (one per GPU) of global concurrency limit {request.limit!r}, "
-                    f"which has {size}: it would wait forever. Raise the limit (`prefect gcl update {request.limit} "
-                    f"--limit {request.occupy}`, or the UI's Concurrency page) or name another one",
-                    request.limit,
-                )
-            ]
-        )
+    check_gpu_limit_size(request, size, what)
     log.info(f"{what}: waiting for {request.occupy} slot(s) of global concurrency limit {request.limit!r} ({size} slot(s))")
     asked = time.monotonic()
     with concurrency(request.limit, occupy=request.occupy, lease_duration=SLOT_LEASE_S, strict=True):

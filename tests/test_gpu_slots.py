@@ -46,3 +46,17 @@ def test_a_named_limit_is_shared_and_taken_by_cpu_runs_too_and_null_takes_none()
 
 def test_a_limit_name_never_holds_a_character_prefect_refuses():
     assert gpu_limit_name("rack 3/node&7") == "omniflow-gpu-rack-3-node-7"
+
+
+def test_a_limit_smaller_than_the_run_needs_is_refused_with_the_command_that_raises_it():
+    import pytest
+
+    from omni_core.config import ConfigError
+    from omni_core.resources import check_gpu_limit_size
+
+    request = GpuSlotRequest("omniflow-gpu-host-a", occupy=3, size=8)
+    check_gpu_limit_size(request, 3, "the run")  # exactly enough
+    with pytest.raises(ConfigError) as err:
+        check_gpu_limit_size(request, 2, "the run")
+    assert err.value.keys == ["trainer.concurrency.gpu_limit"]
+    assert "needs 3 slots" in str(err.value) and "prefect gcl update omniflow-gpu-host-a --limit 3" in str(err.value)

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -182,6 +183,16 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     return init.address is None
+
+
+def ray_cluster_label(config: OmniFlowConfig) -> tuple[str, int]:
+    """(label, GPUs) of the run's Ray cluster for its GPU slots (`resources.gpu_slot_request`): this host's name for a
+    local cluster, the GCS address of a joined one; (host name, 0) when Ray is not connected."""
+    if not ray.is_initialized():
+        return socket.gethostname(), 0
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    joined = bool(config.ray_kwargs.ray_init.address)
+    return (ray.get_runtime_context().gcs_address if joined else socket.gethostname()), gpus
 
 
 def dashboard_url() -> str | None:
