@@ -37,7 +37,7 @@ from omni_core.checkpoint.trained import (
 )
 from omni_core.config import ConfigError, OmniFlowConfig, load_config, with_updates
 from omni_core.export import HF_DIR, INFO_FILE, ExportInfo, export_checkpoint, write_file
-from omni_core.models.hub import model_folder
+from omni_core.models.hub import is_hub_id, model_folder
 from omni_core.models.loader import check_pipeline_folder
 from omni_core.models.model_index import ModelLoadError
 
@@ -97,16 +97,16 @@ def export_trained_checkpoint(
     base = model_folder(config.actor_rollout_ref.model)  # a Hub id: its snapshot in the Hugging Face cache
 
     details = {"format": fmt, "weights": "the EMA" if weights == "ema" else "the trained weights (no EMA)"}
-    if not Path(config.actor_rollout_ref.model.path).expanduser().exists():  # a Hub id: the card names it, not the cache
-        details["_base_model_name"] = config.actor_rollout_ref.model.path
+    # A Hub id: the card names it, not its snapshot folder in the cache.
+    base_name = config.actor_rollout_ref.model.path if is_hub_id(config.actor_rollout_ref.model.path) else None
     if fmt != "merged" and weights == ckpt.hf_weights:
-        written = _copy(base, ckpt.path, out, out_dir, ckpt, details)  # actor/hf holds exactly these weights
+        written = _copy(base, ckpt.path, out, out_dir, ckpt, details, base_name)  # actor/hf holds exactly these weights
     else:
         stage = out.with_name(f".{out.name}.stage-{os.getpid()}")  # a checkpoint-like folder holding only actor/hf
         shutil.rmtree(stage, ignore_errors=True)
         try:
             _write_hf(config, ckpt, weights, merge=fmt == "merged", hf_dir=stage / ACTOR_DIR / HF_DIR)
-            written = _copy(base, stage, out, out_dir, ckpt, details)
+            written = _copy(base, stage, out, out_dir, ckpt, details, base_name)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     info = CheckpointExport(
@@ -143,14 +143,19 @@ def _saved_config(ckpt: TrainedCheckpoint, base_model: str | Path | None) -> Omn
 
 
 def _copy(
-    base: Path, source: Path, out: Path, out_dir: str | Path, ckpt: TrainedCheckpoint, details: dict[str, str]
+    base: Path,
+    source: Path,
+    out: Path,
+    out_dir: str | Path,
+    ckpt: TrainedCheckpoint,
+    details: dict[str, str],
+    base_name: str | None,
 ) -> ExportInfo:
     """`export_checkpoint` (base pipeline + `source/actor/hf`, written aside and renamed into `out`; card and registry
-    from `ckpt`); an `out` that is, holds or sits inside the base model or the checkpoint is refused there."""
+    from `ckpt`, the card naming the base `base_name` when given); an `out` that is, holds or sits inside the base
+    model or the checkpoint is refused there."""
     try:
-        rows = {k: v for k, v in details.items() if not k.startswith("_")}  # "_base_model_name": not a card row
-        name = details.get("_base_model_name")
-        return export_checkpoint(base, source, out, trained_checkpoint=ckpt.path, details=rows, base_model_name=name)
+        return export_checkpoint(base, source, out, trained_checkpoint=ckpt.path, details=details, base_model_name=base_name)
     except (ValueError, FileExistsError) as exc:
         raise RefusedError(f"OUT={out_dir}: {exc}") from exc
 
