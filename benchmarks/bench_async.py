@@ -10,7 +10,8 @@ number of steps (so the same prompts per step and the same per-sample noise seed
    (`omni_core.trainers.base`). `--sync-rollout-workers 2 1` also runs the project's default of one worker (compared too).
 2. **separate_async** (`trainer.v1.trainer_mode=separate_async actor_rollout_ref.rollout.nnodes=1`): one
    standalone single-thread rollout worker samples the next batch while the training actor (the other core)
-   trains; `num_warmup_batches`, `parameter_sync_step`, `max_off_policy_threshold` default to 1.
+   trains; `num_warmup_batches` and `parameter_sync_step` default to 1, `max_off_policy_threshold` to 2 (verl's span:
+   a batch put one step ahead is trained 2 steps after its submission).
 
 Shared by both: `algorithm.rollout_correction.bypass_mode=true` (required by separate_async; in sync the
 rollout's log-probs are the on-policy ones, so it only skips the recompute; `--sync-bypass false` recomputes),
@@ -355,7 +356,7 @@ def summarise(run: dict[str, Any], last_k: int, steps_per_epoch: int) -> dict[st
             "max": max(r[f"{STALENESS_KEY}/max"] for r in later),
             "min": min(r[f"{STALENESS_KEY}/min"] for r in later),
             "per_step_mean": [r[f"{STALENESS_KEY}/mean"] for r in records],
-            "dropped_samples": sum(r.get("training/off_policy/dropped_samples", 0.0) for r in records),
+            "evicted_groups": sum(r.get("training/off_policy/evicted_samples", 0.0) for r in records),
         }
     rewards = [r[REWARD_KEY] for r in records]
     k = min(last_k, len(rewards))
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-bypass", choices=["true", "false"], default="true", help="bypass_mode in sync runs")
     parser.add_argument("--num-warmup-batches", type=int, default=1)
     parser.add_argument("--parameter-sync-step", type=int, default=1)
-    parser.add_argument("--max-off-policy-threshold", type=float, default=1.0)
+    parser.add_argument("--max-off-policy-threshold", type=int, default=2)
     parser.add_argument("--last-k", type=int, default=4, help="steps of the final reward mean")
     parser.add_argument("--val-n", type=int, default=8, help="validation samples per held-out prompt (0: no validation)")
     parser.add_argument("--target", type=float, default=1.3, help="async / sync steady samples/s to reach")

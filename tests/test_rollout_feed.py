@@ -3,12 +3,13 @@
 Light: separate_async's `AheadSchedule` over a whole run puts every step's prompt batch once, in step order, never
 more than `num_warmup_batches` ahead of training, and tags each with the weights published when it is put, so each
 step trains at the staleness the schedule gives (0, 1, 1, 1 for one warm-up batch synced every step, as the flow
-run of tests/test_separate_async.py measures it), within (warmup + sync - 1) / sync model versions; a checkpoint
-between two syncs and a resume from it give the same schedule as an uninterrupted run.
+run of tests/test_separate_async.py measures it), within warmup + sync - 1 model versions and at verl's span
+warmup + 1 at most; a checkpoint between two syncs and a resume from it give the same schedule as an uninterrupted
+run.
 
 On the real TransferQueue: an `AheadFeed` writes its queued groups, feeding state and published weights into a
-checkpoint; a fresh feed restores them and trains them oldest first, the group past the staleness bound dropped
-and counted; a sync run refuses that checkpoint.
+checkpoint; a fresh feed restores them and trains them oldest first, the group past the span bound (verl's unit: steps since
+submission) evicted and counted; a sync run refuses that checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from omni_core import checkpoint as ckpt
 from omni_core.rollout import queue_record
+from omni_core.rollout.staleness import span
 from omni_core.trainers.ahead_feed import AheadSchedule
 
 
@@ -57,8 +59,10 @@ def test_the_ahead_schedule_puts_each_batch_once_in_order_within_the_staleness_b
         # `sync` before j (0: the base weights).
         j = max(1, step - warmup)
         assert put_at[step] == j
-        assert version[step] == (j - 1) // sync * sync
-        assert 0 <= schedule.staleness(step, version[step]) <= (warmup + sync - 1) / sync
+        assert version[step] == (j - 1) // sync * sync == schedule.version_of(step)
+        assert 0 <= schedule.staleness(step, version[step]) <= warmup + sync - 1
+        # verl's span (steps since submission, counting the training step): warmup + 1 once the pipeline is full.
+        assert span(step, put_at[step]) == schedule.span(step) == min(step, warmup + 1)
 
 
 def test_one_warmup_batch_synced_every_step_trains_at_staleness_0_then_1():
@@ -76,13 +80,71 @@ def test_a_checkpoint_between_syncs_resumes_the_same_schedule(checkpoint_after, 
     assert _run(2, 3, 9, checkpoint_after, tmp_path) == uninterrupted
 
 
+def test_the_staleness_rule_counts_steps_since_submission_as_verls_replay_buffer():
+    """verl's ReplayBuffer, written out: drop evicts a finished group when `step - submitted + 1 > threshold`; wait
+    holds while a group in flight has `step - submitted + 1 >= threshold`. parameter_sync_step plays no part: at
+    verl-omni's defaults (threshold 8, sync every 4 steps) a group submitted at step 1 is evicted at step 9."""
+    from omni_core.tq.replay_buffer import StalenessRule
+
+    for step in range(1, 40):
+        drop, wait = StalenessRule(8, "drop", step), StalenessRule(8, "wait", step)
+        for submitted in range(1, step + 1):
+            assert drop.evicts(submitted) == (step - submitted + 1 > 8)
+            assert wait.holds(submitted) == (step - submitted + 1 >= 8)
+            assert not drop.holds(submitted) and not wait.evicts(submitted)
+    assert StalenessRule(8, "drop", 9).evicts(1) and not StalenessRule(8, "drop", 8).evicts(1)
+    with pytest.raises(ValueError, match="max_off_policy_threshold=0"):
+        StalenessRule(0, "drop", 1)
+
+
+def test_groups_of_two_batches_that_share_positions_get_advantages_of_their_own():
+    """A separate_async batch of train_batch_size=2 can hold step 2's group at position 1 and step 3's at position 1
+    (two feeds, both numbered from 0); the advantages group by prompt uid. Hand values: Flow-GRPO's
+    A = (R - mean of the uid's group) / (std of the whole batch + 1e-4), std unbiased."""
+    import torch
+
+    from omni_core.config import load_config
+    from omni_core.tq import client as tqc
+    from omni_core.trainers.base import prompt_groups, step_advantages
+
+    uids = ["000002-0001", "000002-0001", "000003-0001", "000003-0001"]  # the same position, two batches
+    keys = [tqc.trajectory_key(uid, s) for uid, s in zip(uids, [0, 1, 0, 1], strict=True)]
+    assert prompt_groups(keys).tolist() == [0, 0, 1, 1]
+    rewards = torch.tensor([1.0, 3.0, 10.0, 14.0])
+    algorithm = load_config(overrides=[]).algorithm
+    got = step_advantages(algorithm, rewards, torch.zeros(4, dtype=torch.bool), prompt_groups(keys))
+    mean = sum(rewards.tolist()) / 4
+    std = (sum((r - mean) ** 2 for r in rewards.tolist()) / 3) ** 0.5
+    expected = [(1 - 2) / (std + 1e-4), (3 - 2) / (std + 1e-4), (10 - 12) / (std + 1e-4), (14 - 12) / (std + 1e-4)]
+    assert got.tolist() == pytest.approx(expected, rel=1e-6)
+    # Grouped by position (the request's `prompt_index`) the four samples would be one group: mean 7, not 2 and 12.
+    assert got[0].item() == pytest.approx(-1 / (std + 1e-4), rel=1e-6)
+
+
+def test_a_refill_batch_is_seeded_past_the_positions_of_its_steps_batch():
+    """The refill of step s takes positions past the step's own batch (the seed of a sample is derived from the step,
+    the position and the sample index), so its noise is new."""
+    from omni_core.data.prompts import PromptRecord
+    from omni_core.rollout.request import RolloutRequest
+    from omni_core.rollout.sampler import derive_sample_seed
+    from omni_core.rollout.sampling_params import SamplingParams
+
+    records = [PromptRecord("a", index=0), PromptRecord("b", index=1)]
+    params = SamplingParams(n=2, seed=0, height=32, width=32, num_inference_steps=4)
+    own = RolloutRequest.of_records("p", 4, params, records, "000004")
+    refill = RolloutRequest.of_records("p", 4, params, records, "000004-refill1", first_position=2)
+    assert [it.position for it in own.items] == [0, 1] and [it.position for it in refill.items] == [2, 3]
+    seeds = lambda r: {derive_sample_seed(0, r.global_step, it.position, k) for it in r.items for k in range(2)}  # noqa: E731
+    assert len(seeds(own) | seeds(refill)) == 8
+
+
 # ---------------------------------------------------------------------------- on the real TransferQueue
 ASYNC = [
     "trainer.v1.trainer_mode=separate_async",
     "actor_rollout_ref.rollout.nnodes=1",
     "trainer.v1.separate_async.num_warmup_batches=1",
     "trainer.v1.separate_async.parameter_sync_step=2",
-    "trainer.v1.sampler.max_off_policy_threshold=1",
+    "trainer.v1.sampler.max_off_policy_threshold=2",
     "trainer.v1.sampler.max_off_policy_strategy=drop",
     "algorithm.rollout_correction.bypass_mode=true",
     "data.train_batch_size=1",
@@ -112,12 +174,13 @@ def _trainer(overrides: list[str], run_id: str, tmp_path):
 
 
 def _queue(partition: str, n: int) -> None:
-    """Finished groups sampled ahead: step 2's with the base weights (version 0), steps 4 and 5's with version 2."""
+    """Finished groups sampled ahead: step 2's put at step 1 with the base weights (version 0), steps 4 and 5's put at
+    steps 3 and 4 with version 2 (the prompt rows' `global_steps` tag: the step the prompt was submitted at)."""
     import torch
 
     from omni_core.tq import client as tqc
 
-    groups = {"000002-0000": (2, 0), "000004-0000": (4, 2), "000005-0000": (5, 2)}
+    groups = {"000002-0000": (1, 0), "000004-0000": (3, 2), "000005-0000": (4, 2)}
     for uid, (step, version) in groups.items():
         tqc.put_prompts(partition, [uid], step, model_version=version)
         tqc.set_prompt_status(partition, [uid], tqc.FINISHED)
@@ -169,19 +232,23 @@ def test_the_ahead_feed_checkpoints_its_queue_and_trains_it_oldest_first_within_
     assert (resumed.feed.schedule.next_feed, resumed.feed.schedule.refills) == (6, 1)
 
     try:
-        # Step 4: step 2's group is (4 - 1 - 0) / 2 = 1.5 versions stale, past the bound of 1: dropped and counted;
-        # the oldest left is step 4's, 0.5 stale. Nothing new is put (step 5's batch was put before the checkpoint).
+        # Step 4: step 2's group, submitted at step 1, has span 4 - 1 + 1 = 4, past the bound of 2: evicted and counted
+        # (verl: `evicted_samples` counts groups); the oldest left is step 4's (span 2, sampled with version 2: 4 - 1 - 2
+        # = 1 version stale). Nothing new is put (step 5's batch was put before the checkpoint).
         batch = resumed.feed.sample(4)
-        assert batch.prompt_uids == ["000004-0000"] and batch.dropped_samples == n
+        assert batch.prompt_uids == ["000004-0000"] and batch.evicted_spans == [4]
         metrics = resumed.feed.metrics(batch, 4, {})
-        assert metrics["training/off_policy/trajectory_staleness/mean"] == 0.5
-        assert metrics["training/off_policy/trajectory_staleness_worst"] == 1.5
-        assert metrics["training/off_policy/dropped_samples"] == n
-        assert resumed.feed.staleness_of(batch, 4).tolist() == [0.5] * n
-        # Step 5: its own group, (5 - 1 - 2) / 2 = 1 version stale: at the bound, trained.
+        assert metrics["training/off_policy/evicted_samples"] == 1.0
+        assert metrics["training/off_policy/evicted_samples_staleness/max"] == 4.0
+        assert metrics["training/off_policy/trajectory_staleness/mean"] == 1.0
+        assert metrics["training/off_policy/trajectory_staleness_worst/max"] == 1.0
+        assert metrics["training/off_policy/trajectory_spans/max"] == 1.0
+        assert resumed.feed.staleness_of(batch, 4).tolist() == [1.0] * n
+        # Step 5: its own group, submitted at step 4: span 2, at the bound, trained; 5 - 1 - 2 = 2 versions stale.
         batch = resumed.feed.sample(5)
-        assert batch.prompt_uids == ["000005-0000"] and batch.dropped_samples == 0
-        assert resumed.feed.staleness_of(batch, 5).tolist() == [1.0] * n
+        assert batch.prompt_uids == ["000005-0000"] and batch.evicted_spans == []
+        assert resumed.feed.metrics(batch, 5, {})["training/off_policy/evicted_samples"] == 0.0
+        assert resumed.feed.staleness_of(batch, 5).tolist() == [2.0] * n
         assert resumed.dataloader.state_dict()["position"] == 0  # no prompt was put
     finally:
         tqc.clear_partition(partition)

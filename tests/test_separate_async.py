@@ -1,7 +1,8 @@
 """`trainer.v1.trainer_mode=separate_async` through the flow: a standalone rollout pool sampling one batch ahead.
 
 The lean config with one prompt per step (2 steps per epoch, 2 epochs), one warm-up batch, weights published
-every step and a threshold of 1 model version: the rollout of step k+1 runs while step k trains, with the
+every step and a threshold of 2 (verl's span: a group is trained at most 2 global steps after its prompt was
+submitted, counting the training step): the rollout of step k+1 runs while step k trains, with the
 weights of step k-1, across epoch ends too (a checkpoint records the queued groups and the next epoch puts them
 back), so the staleness of the steps' trajectories is exactly 0, 1, 1, 1 (read from each trajectory's
 `model_version` tag by the replay buffer, and checked here against that schedule). With one rollout worker the groups are trained in the order they were
@@ -22,7 +23,7 @@ ASYNC = [
     "actor_rollout_ref.rollout.nnodes=1",
     "trainer.v1.separate_async.num_warmup_batches=1",
     "trainer.v1.separate_async.parameter_sync_step=1",
-    "trainer.v1.sampler.max_off_policy_threshold=1",
+    "trainer.v1.sampler.max_off_policy_threshold=2",
     "algorithm.rollout_correction.bypass_mode=true",
     "data.train_batch_size=1",
     "actor_rollout_ref.actor.ppo_mini_batch_size=1",
@@ -86,8 +87,8 @@ def test_an_async_run_trains_each_step_at_the_staleness_its_schedule_gives(async
     # Step 1 samples with the base weights; every later batch was put one step ahead, epoch ends included.
     assert [r[f"{key}/max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
     assert [r[f"{key}/min"] for r in records] == [0.0, 1.0, 1.0, 1.0]
-    assert all(r["training/off_policy/dropped_samples"] == 0.0 for r in records)
-    assert all(r[f"{key}_worst"] <= 1.0 for r in records)
+    assert all(r["training/off_policy/evicted_samples"] == 0.0 for r in records)
+    assert all(r[f"{key}_worst/max"] <= 1.0 for r in records)
     for r in records:  # measured shares of the step: the trainer waiting, the rollout pool not sampling
         assert 0.0 <= r["perf/idle_share/training"] <= 1.0 and 0.0 <= r["perf/idle_share/rollout"] <= 1.0
     # Bypass: the first ratio of an on-policy step is exactly 1; a stale step's is the importance weight.
@@ -171,14 +172,15 @@ def compute_score(data_source, solution_image, ground_truth=None, extra_info=Non
 def test_a_slow_prompt_group_is_dropped_or_waited_for(
     strategy, flow_overrides, tmp_path, prefect_api, ray_cluster, transfer_queue
 ):
-    """Two rollout workers, 4 prompts with one batch each, threshold 1 version, weights published every step. The
-    slow prompt ("a green dot", put at step 2 with version 1) has a custom reward that holds its group until the
+    """Two rollout workers, 4 prompts with one batch each, threshold 2 (verl's span), weights published every step.
+    The slow prompt ("a green dot", put at step 2 with version 1) has a custom reward that holds its group until the
     trainer has logged step 3, so what happens does not depend on timing:
-    `drop`: step 3 trains the fast prompt put after it, so the slow group is first seen finished at step 4, 2
-    versions stale: it is cleared and counted (4 samples) and one more prompt batch is put and trained.
-    `wait`: at step 3 the slow group is in flight and would pass the threshold by step 4, so sampling holds for it
+    `drop`: step 3 trains the fast prompt put after it, so the slow group is first seen finished at step 4, at span
+    4 - 2 + 1 = 3: it is evicted and counted (one group, verl's `evicted_samples`) and one more prompt batch is put
+    and trained.
+    `wait`: at step 3 the slow group is in flight at span 3 - 2 + 1 = 2, the threshold, so sampling holds for it
     (its reward lets go after 10 s, as step 3 never comes) and step 3 trains it, 1 version stale, instead of the
-    fast prompt that is ready. Either way no trained trajectory is over the threshold."""
+    fast prompt that is ready. Either way no trained group is over the threshold."""
     import json
 
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
@@ -214,12 +216,12 @@ def test_a_slow_prompt_group_is_dropped_or_waited_for(
     records = _step_records(ckpt)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["training/off_policy/trajectory_staleness/max"] <= 1.0 for r in records), records
-    dropped = [r["training/off_policy/dropped_samples"] for r in records]
+    evicted = [r["training/off_policy/evicted_samples"] for r in records]
     if strategy == "drop":
-        assert sum(dropped) == 4.0, dropped  # the slow group, once
-        assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) == 2.0
+        assert evicted == [0.0, 0.0, 0.0, 1.0], evicted  # the slow group, once, at step 4
+        assert records[3]["training/off_policy/evicted_samples_staleness/max"] == 3.0, records[3]
     else:
-        assert sum(dropped) == 0.0, dropped
-        assert max(r["training/off_policy/trajectory_staleness_worst"] for r in records) <= 1.0
+        assert sum(evicted) == 0.0, evicted
+        assert max(r["training/off_policy/trajectory_staleness_worst/max"] for r in records) <= 1.0
         # step 3 waited for the slow group (version 1) rather than train the fast one put at step 3 (version 2)
         assert records[2]["training/off_policy/trajectory_staleness/max"] == 1.0, records[2]

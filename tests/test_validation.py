@@ -235,7 +235,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
             "trainer.v1.sampler.max_off_policy_threshold=1",
         ],
         "trainer.v1.sampler.max_off_policy_threshold",
-        "they reach 1.5 model versions and would all be dropped",
+        "so each group is trained 3 global steps after its prompt was submitted",
     ),
     (
         [
@@ -245,7 +245,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         ],
         "algorithm.rollout_correction.bypass_mode",
-        "this schedule trains samples up to 1 model versions stale",
+        "this schedule trains samples up to 4 model versions stale",
     ),
     (
         [

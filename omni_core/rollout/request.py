@@ -44,10 +44,18 @@ class RolloutRequest:
 
     @classmethod
     def of_records(
-        cls, partition: str, global_step: int, params: SamplingParams, records: list[PromptRecord], uid_prefix: str
+        cls,
+        partition: str,
+        global_step: int,
+        params: SamplingParams,
+        records: list[PromptRecord],
+        uid_prefix: str,
+        first_position: int = 0,
     ) -> RolloutRequest:
-        """Deterministic uids ``<uid_prefix>-<position>``: sortable, reproducible, never uuid4."""
-        items = tuple(RolloutItem(f"{uid_prefix}-{i:04d}", i, r) for i, r in enumerate(records))
+        """Deterministic uids ``<uid_prefix>-<i>``: sortable, reproducible, never uuid4. The prompts take positions
+        ``first_position + i``: another batch of the same step (a refill) starts past the step's positions, so that
+        its samples get seeds of their own."""
+        items = tuple(RolloutItem(f"{uid_prefix}-{i:04d}", first_position + i, r) for i, r in enumerate(records))
         return cls(partition, global_step, params, items)
 
     @property

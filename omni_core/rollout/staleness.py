@@ -1,13 +1,15 @@
-"""How far off-policy a trajectory is, in model versions, and the per-step staleness metrics.
+"""How far off-policy a prompt group is, in verl's two units, and the per-step off-policy metrics.
 
-A weight version is the global step whose update produced the weights (0: the base model). At training
-step ``s`` the trainer's weights are version ``s - 1``; a trajectory sampled with version ``v`` is
+Both as verl / verl-omni define them (separate_async):
 
-    staleness = (s - 1 - v) / parameter_sync_step
-
-model versions behind (0: on-policy, as in sync mode). verl's unit divides by ``parameter_sync_step`` the
-same way but counts from the prompt's submission step, which adds ``1 / parameter_sync_step``: a verl
-threshold ``T`` admits what OmniFlow's ``T - 1 / parameter_sync_step`` admits.
+* **span** (verl's ``ReplayBuffer``, the unit of ``trainer.v1.sampler.max_off_policy_threshold``): global steps since
+  the prompt was submitted, counting the step that trains it, ``span = step - submitted + 1``. A finished group
+  with ``span > threshold`` is evicted (``drop``); with ``wait``, sampling holds while a group in flight has
+  ``span >= threshold``. A batch put ``num_warmup_batches`` steps ahead is trained at span
+  ``num_warmup_batches + 1``.
+* **staleness** (verl-omni's ``training/off_policy/trajectory_staleness`` metrics): model versions between the
+  weights that sampled a trajectory and the weights training it, ``(step - 1) - version``, where a weight version is
+  the global step whose update produced the weights (0: the base model). 0 is on-policy (sync mode).
 """
 
 from __future__ import annotations
@@ -15,21 +17,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def staleness(train_step: int, version: int, parameter_sync_step: int) -> float:
-    """Model versions between the weights that sampled a trajectory and the weights training it at ``train_step``."""
-    if parameter_sync_step < 1:
-        raise ValueError(f"parameter_sync_step={parameter_sync_step} must be >= 1")
-    return (train_step - 1 - version) / parameter_sync_step
+def span(train_step: int, submitted_step: int) -> int:
+    """verl's replay-buffer span of a prompt submitted at ``submitted_step`` and trained at ``train_step``."""
+    return train_step - submitted_step + 1
 
 
-def staleness_metrics(per_trajectory: Sequence[float], dropped_samples: int, worst: float) -> dict[str, float]:
-    """verl-omni's names: ``training/off_policy/trajectory_staleness/{mean,max,min}`` over the trained
-    trajectories, ``trajectory_staleness_worst`` (the most stale one seen this step, dropped ones included)
-    and ``dropped_samples``."""
+def staleness(train_step: int, version: int) -> int:
+    """Model versions between the weights that sampled a trajectory (``version``) and those training at ``train_step``."""
+    return train_step - 1 - version
+
+
+def _stats(name: str, values: Sequence[float]) -> dict[str, float]:
+    return {f"{name}/mean": sum(values) / len(values), f"{name}/max": max(values), f"{name}/min": min(values)}
+
+
+def staleness_metrics(per_trajectory: Sequence[float], evicted_spans: Sequence[int]) -> dict[str, float]:
+    """verl-omni's off-policy metrics of one step, under ``training/off_policy/``:
+
+    * ``trajectory_staleness/{mean,max,min}`` over the trained trajectories, and ``trajectory_staleness_worst/...``
+      and ``trajectory_spans/...`` (verl-omni's, for trajectories that may span several weight versions; a diffusion
+      trajectory is sampled with one, so ``worst`` equals ``staleness`` and every span is 1);
+    * verl's replay-buffer eviction metrics: ``evicted_samples`` (prompt groups evicted as over-stale this step) and
+      ``evicted_samples_staleness/{mean,max,min}`` (their spans), when any was."""
     prefix = "training/off_policy"
-    metrics = {f"{prefix}/dropped_samples": float(dropped_samples), f"{prefix}/trajectory_staleness_worst": float(worst)}
+    metrics = {f"{prefix}/evicted_samples": float(len(evicted_spans))}
+    if evicted_spans:
+        metrics |= _stats(f"{prefix}/evicted_samples_staleness", [float(s) for s in evicted_spans])
     if per_trajectory:
-        metrics[f"{prefix}/trajectory_staleness/mean"] = sum(per_trajectory) / len(per_trajectory)
-        metrics[f"{prefix}/trajectory_staleness/max"] = max(per_trajectory)
-        metrics[f"{prefix}/trajectory_staleness/min"] = min(per_trajectory)
+        values = [float(v) for v in per_trajectory]
+        metrics |= _stats(f"{prefix}/trajectory_staleness", values)
+        metrics |= _stats(f"{prefix}/trajectory_staleness_worst", values)
+        metrics |= _stats(f"{prefix}/trajectory_spans", [1.0] * len(values))
     return metrics

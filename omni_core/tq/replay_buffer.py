@@ -11,11 +11,12 @@ ready and what to check; verl's loop polls forever once a worker is gone. A grou
 when its ``group_size`` trajectory rows are also there, so a status written before the data is not
 read as a complete group.
 
-Staleness (separate_async, ``StalenessRule``): a group's version is the weight version its trajectories
-were sampled with (their ``model_version`` tags; the prompt row's tag while it is in flight). With ``drop``
-a finished group above ``trainer.v1.sampler.max_off_policy_threshold`` is cleared and counted instead of
-trained; with ``wait`` sampling also holds while a group in flight would pass the threshold by the next
-step, so that it is trained now rather than dropped later (verl's ReplayBuffer semantics).
+Staleness (separate_async, ``StalenessRule``), in verl's unit: a group's span is the global steps since its prompt
+was submitted (the prompt row's ``global_steps`` tag), counting the training step (``omni_core.rollout.staleness``).
+With ``drop`` a finished group whose span passes ``trainer.v1.sampler.max_off_policy_threshold`` is cleared and
+counted instead of trained; with ``wait`` sampling also holds while a group in flight has reached the threshold,
+so that it is trained now rather than dropped later (verl's ReplayBuffer rules). A group's version (the weights
+its trajectories were sampled with, their ``model_version`` tags) gives the staleness metrics.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_core.rollout.staleness import span
 from omni_core.tq.client import FAILURE, FINISHED, PENDING, RUNNING, clear, list_rows, uid_of_key
 
 OFF_POLICY_STRATEGIES = ("drop", "wait")
@@ -45,22 +47,34 @@ class SampledBatch:
     trajectory_keys: list[str]  # every trajectory row of those groups, sorted
     failed_uids: dict[str, str] = field(default_factory=dict)  # uid -> reason, for groups whose rollout failed
     versions: dict[str, int] = field(default_factory=dict)  # uid -> weight version of its trajectories (when tagged)
-    dropped_samples: int = 0  # trajectories of over-stale groups cleared while sampling (StalenessRule.drop)
-    worst_staleness: float | None = None  # the most stale group seen while sampling, dropped ones included
+    evicted_spans: list[int] = field(default_factory=list)  # the span of each over-stale group cleared (StalenessRule)
 
 
 @dataclass(frozen=True)
 class StalenessRule:
-    """separate_async's off-policy bound at one training step: ``staleness(version)`` in model versions."""
+    """separate_async's off-policy bound at training step ``step``, as verl's ReplayBuffer applies it: ``threshold``
+    (``max_off_policy_threshold``) on the span ``step - submitted + 1`` of a group submitted at step ``submitted``."""
 
-    threshold: float
+    threshold: int
     strategy: str  # "drop" | "wait"
-    staleness: Callable[[int], float]
-    next_step_increment: float  # what one more training step adds to every group's staleness (1 / parameter_sync_step)
+    step: int
 
     def __post_init__(self) -> None:
         if self.strategy not in OFF_POLICY_STRATEGIES:
             raise ValueError(f"max_off_policy_strategy={self.strategy!r} must be one of {OFF_POLICY_STRATEGIES}")
+        if self.threshold < 1:
+            raise ValueError(f"max_off_policy_threshold={self.threshold} must be >= 1")
+
+    def span(self, submitted: int) -> int:
+        return span(self.step, submitted)
+
+    def evicts(self, submitted: int) -> bool:
+        """A finished group past the threshold: cleared instead of trained (``drop``)."""
+        return self.strategy == "drop" and self.span(submitted) > self.threshold
+
+    def holds(self, submitted: int) -> bool:
+        """A group in flight that has reached the threshold: sampling waits for it (``wait``)."""
+        return self.strategy == "wait" and self.span(submitted) >= self.threshold
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class _GroupCensus:
     running: int
     versions: dict[str, int] = field(default_factory=dict)  # uid -> weight version (trajectories' tags, else the prompt's)
     in_flight: list[str] = field(default_factory=list)  # uids pending, running, or finished with rows missing
+    submitted: dict[str, int] = field(default_factory=dict)  # uid -> the global step its prompt was put at
 
     def describe(self) -> str:
         return (
@@ -98,8 +113,10 @@ def _census(rows: dict[str, dict[str, Any]], group_size: int) -> _GroupCensus:
     ready, failed, counts = [], {}, {"incomplete": 0, PENDING: 0, RUNNING: 0}
     versions: dict[str, int] = {}
     in_flight: list[str] = []
+    submitted: dict[str, int] = {}
     for uid, tag in prompts.items():
         status, step = tag.get("status"), int(tag.get("global_steps", 0))
+        submitted[uid] = step
         if uid in sampled_with:
             versions[uid] = sampled_with[uid]
         elif "model_version" in tag:
@@ -125,6 +142,7 @@ def _census(rows: dict[str, dict[str, Any]], group_size: int) -> _GroupCensus:
         running=counts[RUNNING],
         versions=versions,
         in_flight=in_flight,
+        submitted=submitted,
     )
 
 
@@ -158,7 +176,7 @@ class ReplayBuffer:
         failed; take the oldest (by global_steps, then uid), clear their prompt rows, return their keys.
 
         ``staleness_rule`` (separate_async): over-stale finished groups are cleared and counted, never returned;
-        with ``wait``, sampling also holds while a group in flight would pass the threshold by the next step.
+        with ``wait``, sampling also holds while a group in flight has reached the threshold.
         ``refill(missing)`` is called when dropped groups left fewer groups than ``batch_size`` finished or in
         flight (the trainer puts more prompts).
 
@@ -168,7 +186,7 @@ class ReplayBuffer:
         if batch_size <= 0 or group_size <= 0:
             raise ValueError(f"batch_size={batch_size} and group_size={group_size} must be > 0")
         start = last_log = time.monotonic()
-        dropped, worst = 0, None
+        evicted: list[int] = []
         while True:
             if self.liveness_check is not None:
                 self.liveness_check()
@@ -176,31 +194,19 @@ class ReplayBuffer:
             holding = False
             if staleness_rule is not None:
                 rule = staleness_rule
-                stale = [
-                    uid
-                    for _, uid in census.ready
-                    if uid in census.versions and rule.staleness(census.versions[uid]) > rule.threshold
-                ]
-                for uid in stale:
-                    dropped += len(census.trajectories.get(uid, ()))
-                seen = [rule.staleness(census.versions[u]) for _, u in census.ready if u in census.versions]
-                worst = max([*seen, *([worst] if worst is not None else [])], default=None)
+                stale = [uid for step, uid in census.ready if uid not in census.failed and rule.evicts(step)]
                 if stale:
+                    evicted += [rule.span(census.submitted[uid]) for uid in stale]
                     clear(self.partition, [*stale, *(k for uid in stale for k in census.trajectories.get(uid, ()))])
                     logger.info("ReplayBuffer(%s) step %d dropped %d over-stale groups", self.partition, global_step, len(stale))
                     census = _census(list_rows(self.partition), group_size)
-                if rule.strategy == "wait":
-                    holding = any(
-                        uid in census.versions
-                        and rule.staleness(census.versions[uid]) + rule.next_step_increment > rule.threshold
-                        for uid in census.in_flight
-                    )
+                holding = any(rule.holds(census.submitted[uid]) for uid in census.in_flight)
                 short = batch_size - len(census.ready) - len(census.in_flight)
                 if short > 0 and refill is not None:
                     refill(short)
                     continue
             if len(census.ready) >= batch_size and not holding:
-                return self._take(census, batch_size, dropped, worst)
+                return self._take(census, batch_size, evicted)
             now = time.monotonic()
             if now - start >= self.timeout_s:
                 raise TimeoutError(
@@ -217,7 +223,7 @@ class ReplayBuffer:
                 last_log = now
             time.sleep(self.poll_interval)
 
-    def _take(self, census: _GroupCensus, batch_size: int, dropped: int = 0, worst: float | None = None) -> SampledBatch:
+    def _take(self, census: _GroupCensus, batch_size: int, evicted: list[int] | None = None) -> SampledBatch:
         picked = [uid for _, uid in census.ready[:batch_size]]
         # Only the prompt rows: the trainer clears trajectory rows once the step is done with them.
         clear(self.partition, picked)
@@ -229,6 +235,5 @@ class ReplayBuffer:
             trajectory_keys=keys,
             failed_uids=failed,
             versions=versions,
-            dropped_samples=dropped,
-            worst_staleness=worst,
+            evicted_spans=list(evicted or ()),
         )

@@ -8,8 +8,9 @@ when set) on the worker with the fewest requests queued or running, so the worke
 free up. Each request carries the weights it is sampled with (an object-store ref and its version): every
 `parameter_sync_step` steps the trainer publishes its weights (LoRA: the adapter only), later requests name them,
 and a worker loads a version once, between requests, never inside one. The trainer samples complete groups from the
-replay buffer under `trainer.v1.sampler.max_off_policy_threshold` (`drop` / `wait`,
-`omni_core.tq.replay_buffer.StalenessRule`) and trains on the log-probs the rollout recorded
+replay buffer under `trainer.v1.sampler.max_off_policy_threshold` (`drop` / `wait`, on verl's span: global steps
+since the prompt was submitted, `omni_core.tq.replay_buffer.StalenessRule`) and trains on the log-probs the rollout
+recorded
 (`algorithm.rollout_correction.bypass_mode`): the importance ratio of an off-policy sample is against the policy
 that sampled it.
 
@@ -39,7 +40,7 @@ import torch
 from omni_core import checkpoint as ckpt
 from omni_core.rollout import queue_record
 from omni_core.rollout.request import RolloutRequest
-from omni_core.rollout.staleness import staleness, staleness_metrics
+from omni_core.rollout.staleness import span, staleness, staleness_metrics
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import ReplayBuffer, SampledBatch, StalenessRule
 from omni_core.trainers.base import ACTOR_CALL_TIMEOUT_S, PolicyGradientDiffusionTrainerV1
@@ -72,18 +73,28 @@ class AheadSchedule:
         """Whether the weights trained at `step` are published (later requests name version `step`)."""
         return step % self.sync_every == 0
 
-    def staleness(self, step: int, version: int) -> float:
-        """Model versions between `version` and the weights training at `step` (`omni_core.rollout.staleness`)."""
-        return staleness(step, version, self.sync_every)
+    def submitted_at(self, due: int) -> int:
+        """The step at whose start the batch of step `due` is put (`due`: the run's schedule, no resume)."""
+        return max(1, due - self.warmup_batches)
 
-    def rule(self, step: int, threshold: float, strategy: str) -> StalenessRule:
+    def span(self, due: int) -> int:
+        """verl's span at which the batch of step `due` is trained when every group is ready in time."""
+        return span(due, self.submitted_at(due))
+
+    def version_of(self, due: int) -> int:
+        """The weight version the batch of step `due` is sampled with: the last published at its put."""
+        put = self.submitted_at(due)
+        return (put - 1) // self.sync_every * self.sync_every
+
+    @staticmethod
+    def staleness(step: int, version: int) -> int:
+        """Model versions between `version` and the weights training at `step` (`omni_core.rollout.staleness`)."""
+        return staleness(step, version)
+
+    @staticmethod
+    def rule(step: int, threshold: int, strategy: str) -> StalenessRule:
         """The replay buffer's off-policy bound at step `step`."""
-        return StalenessRule(
-            threshold=threshold,
-            strategy=strategy,
-            staleness=lambda version: self.staleness(step, version),
-            next_step_increment=1.0 / self.sync_every,
-        )
+        return StalenessRule(threshold=threshold, strategy=strategy, step=step)
 
     def saved_version(self, step: int, published: int) -> int:
         """The version later requests name, as a checkpoint of step `step` records it: `published`, or `step` when
@@ -142,9 +153,9 @@ class AheadFeed(RolloutFeed):
         """Put the batches due (`AheadSchedule.due`), then the oldest complete groups within the staleness bound."""
         self._busy_at_sample = self.agent_loop.busy_seconds
         for due in self.schedule.due(step):
-            self._put(due, f"{due:06d}")
+            self._put(due, step, f"{due:06d}")
         sampler = self.config.trainer.v1.sampler
-        rule = self.schedule.rule(step, float(sampler.max_off_policy_threshold), sampler.max_off_policy_strategy)
+        rule = self.schedule.rule(step, int(sampler.max_off_policy_threshold), sampler.max_off_policy_strategy)
         buffer = ReplayBuffer(
             self.trainer.run.train_partition,
             poll_interval=0.05,
@@ -156,31 +167,37 @@ class AheadFeed(RolloutFeed):
         self._log_failed_groups(batch, step)
         return batch
 
-    def _put(self, step: int, uid_prefix: str) -> None:
-        """Put one prompt batch for `step` (pending, tagged with the weights it will be sampled with) and deal it to
-        the workers."""
+    def _put(self, step: int, submitted: int, uid_prefix: str, first_position: int = 0) -> None:
+        """Put one prompt batch for `step` at step `submitted` (pending, tagged with the step it was submitted at and
+        the weights it will be sampled with) and deal it to the workers."""
         trainer = self.trainer
         assert trainer.dataloader is not None and self._weights is not None
         weights, version = self._weights
         request = RolloutRequest.of_records(
-            trainer.run.train_partition, step, self._training_params(), trainer.dataloader.next_batch(), uid_prefix
+            trainer.run.train_partition,
+            step,
+            self._training_params(),
+            trainer.dataloader.next_batch(),
+            uid_prefix,
+            first_position,
         )
         request = replace(request, weights_version=version, weights=weights)
-        tqc.put_prompts(request.partition, request.uids, step, model_version=version)
+        tqc.put_prompts(request.partition, request.uids, submitted, model_version=version)
         self.agent_loop.queue_to_least_busy(request, self.config.data.gen_batch_size or 1)
 
     def _refill(self, step: int) -> None:
         """Dropped groups left too few: one more prompt batch (the next prompts of the data order)."""
         self.schedule.refills += 1
-        self._put(step, f"{step:06d}-refill{self.schedule.refills}")
+        # Seeded past the positions of the step's own batch (and of earlier refills of this run): new noise.
+        refill = self.schedule.refills
+        self._put(step, step, f"{step:06d}-refill{refill}", refill * self.config.data.train_batch_size)
         self.trainer.log(f"step {step}: over-stale groups were dropped; one more prompt batch put", logging.WARNING)
 
     def metrics(self, batch: SampledBatch, step: int, timing: dict[str, float]) -> dict[str, float]:
         """verl-omni's staleness metrics of the trained trajectories, and how idle each side was this step."""
         n = self.config.actor_rollout_ref.rollout.n
         per_trajectory = [self.schedule.staleness(step, v) for v in batch.versions.values() for _ in range(n)]
-        worst = max([*per_trajectory, *([batch.worst_staleness] if batch.worst_staleness is not None else [])], default=0.0)
-        metrics = staleness_metrics(per_trajectory, batch.dropped_samples, worst)
+        metrics = staleness_metrics(per_trajectory, batch.evicted_spans)
         step_s = timing.get("step", 0.0)
         if step_s > 0:
             agent_loop = self.agent_loop
@@ -195,7 +212,7 @@ class AheadFeed(RolloutFeed):
         values = []
         for key in batch.trajectory_keys:
             version = batch.versions.get(tqc.uid_of_key(key))
-            values.append(0.0 if version is None else self.schedule.staleness(step, version))
+            values.append(0.0 if version is None else float(self.schedule.staleness(step, version)))
         return torch.tensor(values, dtype=torch.float32)
 
     # ---------------------------------------------------------------- checkpoint / resume of the queue

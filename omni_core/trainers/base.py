@@ -34,6 +34,7 @@ import torch
 
 from omni_core import checkpoint as ckpt
 from omni_core.agent_loop import AgentLoopManager, rollout_threads
+from omni_core.algorithms.flow_grpo import group_index_from_uids
 from omni_core.algorithms.registry import compute_advantages
 from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
@@ -77,6 +78,11 @@ def step_advantages(algorithm: Any, rewards: torch.Tensor, failed: torch.Tensor,
     ok = ~failed
     advantages[ok] = compute_advantages(algorithm, rewards[ok], group[ok])
     return advantages
+
+
+def prompt_groups(trajectory_keys: list[str]) -> torch.Tensor:
+    """The GRPO group id `[B]` of each trajectory key: its prompt uid, numbered in order of first appearance."""
+    return group_index_from_uids([tqc.uid_of_key(key) for key in trajectory_keys])
 
 
 def cpu_threads(parallel_workers: int, cores_taken: int = 0) -> int:
@@ -413,9 +419,11 @@ class PolicyGradientDiffusionTrainerV1:
                 batch = self.feed.sample(step)
             timer.timing.update(self.feed.worker_timing())
             keys = batch.trajectory_keys
-            rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed", "prompt_index"])
+            rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed"])
             with timer("adv"):
-                rewards, failed, group = rows["rewards"].float(), rows["failed"].bool(), rows["prompt_index"].long()
+                # A group is the samples of one prompt uid (a key's `<uid>_<session>_<index>`), never a position in a
+                # request: separate_async trains groups of several requests at once, whose positions repeat.
+                rewards, failed, group = rows["rewards"].float(), rows["failed"].bool(), prompt_groups(keys)
                 # Too many failed rewards: fail the step before any update (RewardFailureError, not retried).
                 num_failed = int(failed.sum())
                 check_failure_share(

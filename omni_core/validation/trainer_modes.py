@@ -172,9 +172,10 @@ def _separate_async_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 rollout.agent.num_workers,
             )
         )
-    # Requests are put num_warmup_batches steps ahead, with the weights of the last sync: the schedule alone makes
-    # groups up to (warmup + sync - 1) / sync versions stale (omni_core.rollout.staleness).
-    worst = (sa.num_warmup_batches + sa.parameter_sync_step - 1) / sa.parameter_sync_step
+    # Requests are put num_warmup_batches steps ahead, with the weights of the last sync: the schedule alone trains
+    # groups up to warmup + sync - 1 model versions stale, each at span warmup + 1 (omni_core.rollout.staleness).
+    worst = sa.num_warmup_batches + sa.parameter_sync_step - 1
+    span = sa.num_warmup_batches + 1
     bypass = config.algorithm.rollout_correction.bypass_mode
     if worst > 0 and (not bypass or not rollout.calculate_log_probs):
         p.append(
@@ -187,14 +188,14 @@ def _separate_async_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 bypass,
             )
         )
-    if sampler.max_off_policy_threshold < worst:
+    if sampler.max_off_policy_threshold < span:
         p.append(
             ConfigProblem(
                 "trainer.v1.sampler.max_off_policy_threshold",
-                f"below the staleness the schedule itself produces: groups are put num_warmup_batches="
-                f"{sa.num_warmup_batches} steps ahead with weights synced every parameter_sync_step={sa.parameter_sync_step} "
-                f"steps, so they reach {worst:g} model versions and would all be dropped (or waited for forever); set "
-                f"it >= {worst:g} or lower num_warmup_batches / parameter_sync_step",
+                f"below the span the schedule itself produces: batches are put num_warmup_batches={sa.num_warmup_batches} "
+                f"steps ahead, so each group is trained {span} global steps after its prompt was submitted (verl's unit: "
+                "steps since submission, counting the training step) and would be dropped (or waited for forever); set "
+                f"it >= {span} or lower num_warmup_batches",
                 sampler.max_off_policy_threshold,
             )
         )
