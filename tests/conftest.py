@@ -104,6 +104,7 @@ HEAVY_GROUPS = {
     "test_reward_faults": 16,
     "test_library_use": 15,
     "test_ray_job": 70,
+    "test_policy_family_flows": 97,  # alone, 2026-12-06
 }
 
 

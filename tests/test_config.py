@@ -64,7 +64,8 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     "actor_rollout_ref.actor.optim.betas": ((0.9, 0.999), "AdamW betas."),
     "actor_rollout_ref.actor.diffusion_loss.clip_ratio": (
         1e-4,
-        "Clip range epsilon of the importance ratio (log-probs are averaged over latent dims, hence tiny).",
+        "Clip range epsilon of the importance ratio (log-probs are averaged over latent dims, hence tiny). Not read by "
+        "flow_dppo.",
     ),
     "actor_rollout_ref.rollout.n": (
         8,

@@ -46,6 +46,30 @@ def test_an_update_moves_each_log_prob_with_the_sign_of_its_advantage(tiny_sd3_d
     assert favoured.mean() > 0 > disfavoured.mean()
 
 
+@pytest.mark.parametrize("loss_mode", ["grpo_guard", "flow_dppo"])
+def test_a_trust_region_loss_gets_the_old_policys_means_and_trains_with_the_sign_of_the_advantage(
+    tiny_sd3_dir, one_torch_thread, loss_mode
+):
+    """GRPO-Guard and Flow-DPPO read the old policy's transition means (from the old-log-prob pass) and sqrt(-dt): on
+    the first, on-policy mini-batch the means agree exactly, so GRPO-Guard's drift term is 0 and every ratio is exactly
+    1, and Flow-DPPO masks nothing (every KL is 0); the update then favours the samples with a positive advantage."""
+    trainer = _trainer(tiny_sd3_dir, f"actor_rollout_ref.actor.diffusion_loss.loss_mode={loss_mode}")
+    assert {"old_prev_sample_mean", "prev_sample_mean", "std_dev_t", "sqrt_dt"} <= trainer.needs
+    traj = _rollout(trainer, 1)
+    means: dict[str, torch.Tensor] = {}
+    before = trainer.old_log_probs(traj, means).mean(dim=1)
+    assert means["old_prev_sample_mean"].shape == traj.latents[:, 1:].shape
+    advantages = torch.tensor([1.0, -1.0] * 4)
+    metrics = trainer.train_on(traj, advantages, 1)
+    assert metrics["actor/ratio_mean"] == 1.0
+    if loss_mode == "grpo_guard":
+        assert metrics["actor/ratio_mean_bias"] == 0.0
+    else:
+        assert metrics["actor/masked_fraction"] == 0.0 and metrics["actor/kl_new_old_max"] == 0.0
+    moved = trainer.old_log_probs(traj).mean(dim=1) - before
+    assert moved[0::2].mean() > 0 > moved[1::2].mean()
+
+
 def test_only_what_the_loss_declares_is_computed(tiny_sd3_dir, one_torch_thread):
     plain = _trainer(tiny_sd3_dir)
     assert plain.needs == {"log_prob", "old_log_prob", "advantages"}

@@ -135,6 +135,26 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "flow_grpo"),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
+    (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
+    (
+        ["actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_dppo", "actor_rollout_ref.actor.diffusion_loss.clip_ratio=0.2"],
+        "actor_rollout_ref.actor.diffusion_loss.clip_ratio",
+        "is not read by loss_mode flow_dppo",
+    ),
+    (
+        ["actor_rollout_ref.actor.diffusion_loss.kl_mask_threshold=0.1"],
+        "actor_rollout_ref.actor.diffusion_loss.kl_mask_threshold",
+        "is read only by loss_mode flow_dppo",
+    ),
+    (
+        [
+            "actor_rollout_ref.actor.diffusion_loss.loss_mode=grpo_guard",
+            "algorithm.rollout_correction.bypass_mode=true",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+        ],
+        "algorithm.rollout_correction.bypass_mode",
+        "bypass mode skips that pass",
+    ),
     (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank", ">= 0"),
     (
         ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"],

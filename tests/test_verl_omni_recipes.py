@@ -1,4 +1,5 @@
-"""verl-omni's flowgrpo v1 recipes, carried over unchanged, through `omniflow validate`.
+"""verl-omni's recipes, carried over unchanged, through `omniflow validate`: the flowgrpo v1 recipes (SD3.5) and the
+GRPO-Guard and Flow-DPPO recipes (Qwen-Image; their algorithm keys are accepted and select the same loss).
 
 `tests/data/verl_omni_recipes/<name>.txt` holds the key=value arguments of a verl-omni recipe's
 `main_diffusion_v1` command, one per line, exactly as the shell passes them (see each file's header for
@@ -16,6 +17,7 @@ by `printf '%s\\n'` in the script (and drop its checkpoint-backend pre-flight), 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,21 @@ REFUSED_IN_BOTH = {
     "reward.num_workers",  # rewards are scored inside the rollout workers (streaming reward)
 }
 
+# The two Qwen-Image recipes of the policy-gradient family: the algorithm keys are accepted; what is refused is the
+# serving engine, CPU offload and the served reward model, plus a pool of 4 training ranks with verl-omni's default FSDP
+# engine (OmniFlow's default strategy is one torch rank; on a machine of fewer than 4 cores the rank count too).
+REFUSED_QWEN_IMAGE = {
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.load_format",
+    "actor_rollout_ref.rollout.layered_summon",  # vLLM-Omni knob
+    "actor_rollout_ref.actor.fsdp_config.param_offload",  # True: CPU offload needs the FSDP engine
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.actor.strategy",  # unset: verl-omni's fsdp on 4 ranks; OmniFlow's default trains one rank
+    "reward.reward_model",
+    "reward.num_workers",
+} | ({"trainer.n_gpus_per_node"} if (os.cpu_count() or 1) < 4 else set())  # 4 training ranks: one per core on cpu
+
 EXPECTED_REFUSED: dict[str, set[str]] = {
     "run_sd35_medium_ocr_lora_v1": REFUSED_IN_BOTH,
     "run_sd35_medium_ocr_lora_v1_separate_async": REFUSED_IN_BOTH
@@ -46,6 +63,15 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
         "actor_rollout_ref.rollout.checkpoint_engine",  # weight sync to a vLLM-Omni server
         "trainer.v1.separate_async.sync_compatible",  # 1: nothing to pause (requests name their weights)
     },
+    "run_qwen_image_ocr_lora_grpoguard": REFUSED_QWEN_IMAGE,
+    "run_qwen_image_ocr_lora_flowdppo": REFUSED_QWEN_IMAGE,
+}
+# Each recipe's script in verl-omni's examples/ (the data file's header names it).
+SCRIPTS = {
+    "run_sd35_medium_ocr_lora_v1": "flowgrpo_trainer/sd35/run_sd35_medium_ocr_lora_v1.sh",
+    "run_sd35_medium_ocr_lora_v1_separate_async": "flowgrpo_trainer/sd35/run_sd35_medium_ocr_lora_v1_separate_async.sh",
+    "run_qwen_image_ocr_lora_grpoguard": "grpoguard_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
+    "run_qwen_image_ocr_lora_flowdppo": "flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
 }
 
 # Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
@@ -62,7 +88,7 @@ def _key(override: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def local_paths(tiny_sd3_dir, tmp_path_factory) -> dict[str, str]:
+def local_paths(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path_factory) -> dict[str, str]:
     reward = tmp_path_factory.mktemp("recipe_reward") / "genrm_ocr.py"
     reward.write_text("def compute_score_ocr(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
     prompts = "pkg://omni_core/assets/prompts"
@@ -70,22 +96,27 @@ def local_paths(tiny_sd3_dir, tmp_path_factory) -> dict[str, str]:
         "data.train_files": f"{prompts}/train.txt",
         "data.val_files": f"{prompts}/val.txt",
         "actor_rollout_ref.model.path": str(tiny_sd3_dir),
+        "qwen-image": str(tiny_qwen_image_dir),  # the model of a qwen_image recipe
         "reward.custom_reward_function.path": str(reward),
     }
 
 
 def localised(name: str, local_paths: dict[str, str]) -> list[str]:
+    """The recipe with its local paths pointed here: the model at a tiny one of the recipe's architecture."""
+    paths = dict(local_paths)
+    if "qwen_image" in name:
+        paths["actor_rollout_ref.model.path"] = local_paths["qwen-image"]
     out = []
     for override in recipe_overrides(name):
         key = _key(override)
-        out.append(f"{key}={local_paths[key]}" if key in local_paths else override)
+        out.append(f"{key}={paths[key]}" if key in LOCAL_PATHS else override)
     return out
 
 
 def test_the_recipe_files_are_the_scripts_arguments():
     for name in EXPECTED_REFUSED:
         text = (RECIPES / f"{name}.txt").read_text()
-        assert f"examples/flowgrpo_trainer/sd35/{name}.sh at commit " in text.splitlines()[0]
+        assert f"examples/{SCRIPTS[name]} at commit " in text.splitlines()[0]
         keys = [_key(o) for o in recipe_overrides(name)]
         assert len(keys) == len(set(keys)) and set(LOCAL_PATHS) <= set(keys)
         assert all(
@@ -105,10 +136,11 @@ def test_omniflow_validate_refuses_exactly_the_documented_keys_with_reasons(name
         assert "unknown key" not in p.message and len(p.message) > 40, str(p)
     # Every key of the recipe that is not refused was accepted, and the refused ones name the recipe's key.
     recipe_keys = {_key(o) for o in recipe_overrides(name)}
-    assert all(any(k == p or k.startswith(p + ".") for k in recipe_keys) for p in EXPECTED_REFUSED[name])
+    named = EXPECTED_REFUSED[name] - {"actor_rollout_ref.actor.strategy"}  # unset in the Qwen-Image recipes: the default
+    assert all(any(k == p or k.startswith(p + ".") for k in recipe_keys) for p in named)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_REFUSED))
+@pytest.mark.parametrize("name", ["run_sd35_medium_ocr_lora_v1", "run_sd35_medium_ocr_lora_v1_separate_async"])
 def test_the_recipe_validates_once_the_refused_keys_are_removed(name, local_paths):
     """Nothing else in the recipe is a problem: without the refused keys (rollout name, logger, device counts
     and trainer mode set back to OmniFlow's values) the config passes, and the keys it
@@ -135,3 +167,25 @@ def test_the_omniflow_command_reports_every_refused_key_in_one_error(local_paths
     n = len(EXPECTED_REFUSED[name])
     assert f"invalid OmniFlow config ({n} problems)" in err
     assert all(f"  - {key}" in err for key in EXPECTED_REFUSED[name])
+
+
+@pytest.mark.parametrize(
+    ("name", "loss_keys"),
+    [
+        ("run_qwen_image_ocr_lora_grpoguard", {"loss_mode": "grpo_guard", "clip_ratio": 2e-6, "adv_clip_max": 5.0}),
+        ("run_qwen_image_ocr_lora_flowdppo", {"loss_mode": "flow_dppo", "kl_mask_threshold": 1e-5, "add_kl_coefficient": True}),
+    ],
+)
+def test_a_policy_gradient_family_recipe_selects_its_loss_by_the_same_keys(name, loss_keys, local_paths):
+    """Without the refused keys and the training rank count (OmniFlow's default: one torch rank), the recipe validates
+    and its `diffusion_loss` keys carry over with the recipe's values: the same loss, selected by the same keys."""
+    kept = [
+        o
+        for o in localised(name, local_paths)
+        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
+        and not _key(o).startswith("trainer.n_gpus_per_node")
+    ]
+    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    loss = config.actor_rollout_ref.actor.diffusion_loss
+    assert {key: getattr(loss, key) for key in loss_keys} == loss_keys
+    assert config.actor_rollout_ref.rollout.algo.sde_type == "sde" and config.actor_rollout_ref.rollout.n == 16

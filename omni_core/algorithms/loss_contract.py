@@ -10,12 +10,15 @@ micro-batch. It never asks which algorithm is running. The idea follows verl-omn
 
 Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*latent`` = the latent's shape):
 
-    from the step's data            old_log_prob [b], advantages [b], pair_index [b]
+    from the step's data            old_log_prob [b], advantages [b], pair_index [b],
+                                    old_prev_sample_mean [b, *latent] (the old policy's transition means, from the same
+                                    no-grad pass as the old log-probs)
     from the current policy         log_prob [b], prev_sample_mean [b, *latent], std_dev_t (scalar / [b] / broadcastable),
                                     velocity [b, *latent]                       (with gradient)
     from the reference policy       ref_prev_sample_mean [b, *latent], ref_velocity [b, *latent]   (no gradient)
     from the stored trajectory      latents [b, *latent] (x_j), next_latents [b, *latent] (x_{j+1}),
-                                    sigma [b], next_sigma [b], final_latents [b, *latent] (the window's last latent)
+                                    sigma [b], next_sigma [b], final_latents [b, *latent] (the window's last latent),
+                                    sqrt_dt [b] (sqrt(sigma - next_sigma): the transition std is std_dev_t * sqrt_dt)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class LossInputs:
     old_log_prob: Tensor | None = None
     advantages: Tensor | None = None
     pair_index: Tensor | None = None  # [b] long: the group each sample belongs to (its rows are adjacent)
+    old_prev_sample_mean: Tensor | None = None
     prev_sample_mean: Tensor | None = None
     std_dev_t: Tensor | float | None = None
     velocity: Tensor | None = None
@@ -47,10 +51,12 @@ class LossInputs:
     sigma: Tensor | None = None
     next_sigma: Tensor | None = None
     final_latents: Tensor | None = None
+    sqrt_dt: Tensor | None = None
 
 
 LOSS_INPUTS = frozenset(f.name for f in fields(LossInputs))
-DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index"})  # the update loop's; the rest the step function's
+# The update loop's (from the step's data); the rest the step function's.
+DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index", "old_prev_sample_mean"})
 REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
 
 

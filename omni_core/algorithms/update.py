@@ -73,8 +73,8 @@ class StepOutput:
             grad), or None when the KL term is off or compares velocities.
         velocity: ``[b, *latent]`` the current policy's predicted velocity (with grad), for ``kl_type="velocity"``.
         ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
-        latents, next_latents, sigma, next_sigma, final_latents: the stored trajectory's, for a loss that declares
-            them (see ``LossInputs``).
+        latents, next_latents, sigma, next_sigma, final_latents, sqrt_dt: the stored trajectory's, for a loss that
+            declares them (see ``LossInputs``).
     A step function fills the optional fields the active loss declares (``LossInputs``); the others stay None.
     """
 
@@ -89,6 +89,7 @@ class StepOutput:
     sigma: Tensor | None = None
     next_sigma: Tensor | None = None
     final_latents: Tensor | None = None
+    sqrt_dt: Tensor | None = None
 
 
 @dataclass
@@ -202,6 +203,8 @@ def _loss_inputs(
         values[key] = getattr(out, key)
     if "old_log_prob" in needs:
         values["old_log_prob"] = micro["old_log_probs"][:, j].to(device)
+    if "old_prev_sample_mean" in needs:
+        values["old_prev_sample_mean"] = micro["old_prev_sample_means"][:, j].to(device)
     if "advantages" in needs:
         adv = micro["advantages"]
         values["advantages"] = (adv[:, j] if adv.dim() == 2 else adv).to(device)
@@ -275,8 +278,9 @@ def ppo_update(
         optimizer: stepped once per mini-batch.
         lr_scheduler: stepped once at the end of the call (or None).
         batch: ``latents [B, W+1, *latent]``, ``timesteps [B, W]``, ``old_log_probs [B, W]`` (or, for a loss that
-            declares no old log-probs, ``window``: W), ``advantages [B]`` (or ``[B, W]``), optionally ``staleness [B]`` (each sample's, in model versions:
-            off-policy batches), plus any conditioning tensors with batch dim first.
+            declares no old log-probs, ``window``: W), ``advantages [B]`` (or ``[B, W]``), ``old_prev_sample_means
+            [B, W, *latent]`` when the loss declares them, optionally ``staleness [B]`` (each sample's, in model
+            versions: off-policy batches), plus any conditioning tensors with batch dim first.
         step_fn: ``step_fn(micro_batch, j) -> StepOutput`` for window step ``j`` (see StepOutput).
         cfg: sizes and loss knobs.
         scaler: a gradient scaler for fp16 compute (losses scaled before backward, gradients unscaled

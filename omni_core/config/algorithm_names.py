@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["ADV_ESTIMATOR_NAMES", "LOSSES", "LOSS_MODE_NAMES", "LossEntry", "OptionType"]
+__all__ = ["ADV_ESTIMATOR_NAMES", "LOSSES", "LOSS_MODE_NAMES", "MODEL_ALGORITHM_NAMES", "LossEntry", "OptionType"]
 
 # The types a loss's own key may have (the schema maps each to its pydantic type).
 OptionType = Literal["positive_float", "non_negative_float", "positive_int", "bool"]
@@ -20,17 +20,32 @@ OptionType = Literal["positive_float", "non_negative_float", "positive_int", "bo
 
 @dataclass(frozen=True)
 class LossEntry:
-    """One registered loss: `module` defines `LOSS`; `options` are its own keys under `diffusion_loss` -> type."""
+    """One registered loss: `module` defines `LOSS`; `options` are its own keys under `diffusion_loss` -> type;
+    `unread` the common `diffusion_loss` keys it does not read (refused when set); `old_policy_means`: it compares
+    the current transition means with the old policy's, which the old-log-prob pass computes (not bypass mode)."""
 
     module: str
     options: dict[str, OptionType] = field(default_factory=dict)
+    unread: tuple[str, ...] = ()
+    old_policy_means: bool = False
 
 
 # verl-omni registers one estimator, compute_flow_grpo_outcome_advantage, under both names.
 ADV_ESTIMATOR_NAMES = ("flow_grpo", "dance_grpo")  # algorithm.adv_estimator
 
-# actor_rollout_ref.actor.diffusion_loss.loss_mode (and actor_rollout_ref.model.algorithm) -> the loss
+# actor_rollout_ref.model.algorithm: verl-omni's pipeline adapter of a model (`DiffusionModelBase.register(name,
+# algorithm=...)`: how it samples and scores transitions), not the loss. OmniFlow has Flow-GRPO's.
+MODEL_ALGORITHM_NAMES = ("flow_grpo",)
+
+# actor_rollout_ref.actor.diffusion_loss.loss_mode -> the loss
 LOSSES: dict[str, LossEntry] = {
     "flow_grpo": LossEntry("omni_core.algorithms.losses.flow_grpo"),
+    "grpo_guard": LossEntry("omni_core.algorithms.losses.grpo_guard", old_policy_means=True),
+    "flow_dppo": LossEntry(
+        "omni_core.algorithms.losses.flow_dppo",
+        {"kl_mask_threshold": "non_negative_float", "add_kl_coefficient": "bool"},
+        unread=("clip_ratio", "adv_clip_max"),
+        old_policy_means=True,
+    ),
 }
 LOSS_MODE_NAMES = tuple(LOSSES)

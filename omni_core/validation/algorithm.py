@@ -6,18 +6,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES, LOSSES, LossEntry
+from omni_core.config.algorithm_names import ADV_ESTIMATOR_NAMES, LOSS_MODE_NAMES, LOSSES, MODEL_ALGORITHM_NAMES, LossEntry
 from omni_core.config.schema import DiffusionLossConfig
 
 
 def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     p: list[ConfigProblem] = []
     model, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
-    if model.algorithm not in LOSS_MODE_NAMES:
+    if model.algorithm not in MODEL_ALGORITHM_NAMES:
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.model.algorithm",
-                f"unknown or unsupported algorithm; available: {', '.join(LOSS_MODE_NAMES)}",
+                f"selects the model's sampling adapter (verl-omni's pipeline registry); available: "
+                f"{', '.join(MODEL_ALGORITHM_NAMES)} (the loss is actor_rollout_ref.actor.diffusion_loss.loss_mode: "
+                f"{', '.join(LOSS_MODE_NAMES)})",
                 model.algorithm,
             )
         )
@@ -31,6 +33,17 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         )
     defaults = {key: f.default for key, f in DiffusionLossConfig.model_fields.items()}
     p += unread_loss_keys(actor.diffusion_loss.model_dump(), LOSSES, defaults)
+    entry = LOSSES.get(actor.diffusion_loss.loss_mode)
+    if entry is not None and entry.old_policy_means and config.algorithm.rollout_correction.bypass_mode:
+        p.append(
+            ConfigProblem(
+                "algorithm.rollout_correction.bypass_mode",
+                f"loss_mode={actor.diffusion_loss.loss_mode} compares the policy's reverse-SDE transition means with the old "
+                "policy's, which the old-log-prob pass computes; bypass mode skips that pass and the rollout does not "
+                "record its means. Set bypass_mode=false (sync mode), or train with loss_mode=flow_grpo",
+                True,
+            )
+        )
     if config.algorithm.adv_estimator not in ADV_ESTIMATOR_NAMES:
         p.append(
             ConfigProblem(
@@ -84,7 +97,7 @@ def unread_loss_keys(
     for name, entry in losses.items():
         for key in entry.options:
             readers.setdefault(key, []).append(name)
-    return [
+    problems = [
         ConfigProblem(
             f"actor_rollout_ref.actor.diffusion_loss.{key}",
             f"is read only by loss_mode {' / '.join(names)}, and this run trains with {loss['loss_mode']}; "
@@ -94,3 +107,13 @@ def unread_loss_keys(
         for key, names in readers.items()
         if key not in read and loss[key] != defaults[key]
     ]
+    problems += [
+        ConfigProblem(
+            f"actor_rollout_ref.actor.diffusion_loss.{key}",
+            f"is not read by loss_mode {loss['loss_mode']} (its objective has no such term, as verl-omni's); drop the key",
+            loss[key],
+        )
+        for key in (chosen.unread if chosen else ())
+        if loss[key] != defaults[key]
+    ]
+    return problems

@@ -56,6 +56,7 @@ TRAJECTORY_INPUTS: dict[str, Callable[[Trajectory, int], torch.Tensor]] = {
     "sigma": lambda part, j: part.sigmas[:, j],
     "next_sigma": lambda part, j: part.sigmas[:, j + 1],
     "final_latents": lambda part, j: part.latents[:, -1],
+    "sqrt_dt": lambda part, j: (part.sigmas[:, j] - part.sigmas[:, j + 1]).clamp_min(0).sqrt(),
 }
 
 
@@ -215,16 +216,24 @@ class PolicyTrainer:
         )
 
     @torch.no_grad()
-    def old_log_probs(self, traj: Trajectory) -> torch.Tensor:
+    def old_log_probs(self, traj: Trajectory, means: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Old log-probs `[B, W]` in micro-batches of `rollout.log_prob_micro_batch_size_per_gpu` (default: the
-        update's own micro-batch, so that the first on-policy ratio is exactly 1 in fp32)."""
+        update's own micro-batch, so that the first on-policy ratio is exactly 1 in fp32). With `means` (a dict),
+        the same pass's transition means go into `means["old_prev_sample_mean"]`, `[B, W, *latent]` (for a loss that
+        compares the current means with the old policy's: GRPO-Guard, Flow-DPPO)."""
         arr = self.config.actor_rollout_ref
         micro = arr.rollout.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
         out = torch.empty_like(traj.log_probs)
+        old_means = None if means is None else torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32)
         for idx in torch.arange(traj.batch_size).split(micro):
             part = traj.index_select(idx).to(self.policy.device)  # once, not per window step
             for j in range(traj.window_size):
-                out[idx, j] = self.score(part, j)[0].float().cpu()
+                scored = self.score(part, j)
+                out[idx, j] = scored.log_prob.float().cpu()
+                if old_means is not None:
+                    old_means[idx, j] = scored.prev_sample_mean.float().cpu()
+        if means is not None:
+            means["old_prev_sample_mean"] = old_means
         bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
         if bad:
             dtype = arr.actor.fsdp_config.dtype
@@ -301,9 +310,14 @@ class PolicyTrainer:
         drift: dict[str, float] = {}
         if "old_log_prob" in self.needs or staleness is not None:
             bypass = self.config.algorithm.rollout_correction.bypass_mode
-            old_own = part.log_probs if bypass else self.old_log_probs(part)
+            means: dict[str, torch.Tensor] | None = {} if "old_prev_sample_mean" in self.needs else None
+            if bypass and means is not None:  # refused by validation (omni_core.validation.algorithm)
+                raise ValueError("the loss compares the old policy's transition means, which bypass mode does not compute")
+            old_own = part.log_probs if bypass else self.old_log_probs(part, means)
             drift = {} if bypass else rollout_probs_diff(part.log_probs, old_own)
             batch["old_log_probs"] = self.by_sample(own, old_own.float(), batch_size)
+            if means is not None:
+                batch["old_prev_sample_means"] = self.by_sample(own, means["old_prev_sample_mean"], batch_size)
         else:
             batch["window"] = traj.window_size
         refs = {key: self.by_sample(own, value, batch_size) for key, value in self.reference_predictions(part).items()}

@@ -15,12 +15,36 @@ from torch import Tensor
 from omni_core.algorithms.flow_grpo import kl_loss, policy_loss, velocity_kl_loss
 from omni_core.algorithms.loss_contract import LossInputs, LossSettings
 
-__all__ = ["FlowGRPOLoss", "LOSS"]
+__all__ = ["LOSS", "FlowGRPOLoss", "kl_inputs", "with_kl_penalty"]
 
 KL_INPUTS = {
     "transition_mean": frozenset({"prev_sample_mean", "std_dev_t", "ref_prev_sample_mean"}),
     "velocity": frozenset({"velocity", "ref_velocity"}),
 }
+
+
+def kl_inputs(settings: LossSettings) -> frozenset[str]:
+    """What the KL penalty to the reference reads (nothing when it is off); every policy-gradient loss adds it."""
+    if settings.kl_coef <= 0:
+        return frozenset()
+    if settings.kl_type not in KL_INPUTS:
+        raise ValueError(f"unknown kl_type {settings.kl_type!r}; choose transition_mean or velocity")
+    return KL_INPUTS[settings.kl_type]
+
+
+def with_kl_penalty(loss: Tensor, metrics: dict[str, Tensor], x: LossInputs, settings: LossSettings) -> Tensor:
+    """``loss + kl_coef * KL`` (the KL `actor.kl_loss_type` names, to the reference policy); records ``kl_loss``."""
+    kl = loss.new_zeros(())
+    if settings.kl_coef > 0:
+        if settings.kl_type == "velocity":
+            assert x.velocity is not None and x.ref_velocity is not None
+            kl = velocity_kl_loss(x.velocity, x.ref_velocity)
+        else:
+            assert x.prev_sample_mean is not None and x.ref_prev_sample_mean is not None and x.std_dev_t is not None
+            kl = kl_loss(x.prev_sample_mean, x.ref_prev_sample_mean, x.std_dev_t)
+        loss = loss + settings.kl_coef * kl
+    metrics["kl_loss"] = kl.detach()
+    return loss
 
 
 class FlowGRPOLoss:
@@ -29,29 +53,14 @@ class FlowGRPOLoss:
     group_size = 1
 
     def inputs(self, settings: LossSettings) -> frozenset[str]:
-        needs = frozenset({"log_prob", "old_log_prob", "advantages"})
-        if settings.kl_coef <= 0:
-            return needs
-        if settings.kl_type not in KL_INPUTS:
-            raise ValueError(f"unknown kl_type {settings.kl_type!r}; choose transition_mean or velocity")
-        return needs | KL_INPUTS[settings.kl_type]
+        return frozenset({"log_prob", "old_log_prob", "advantages"}) | kl_inputs(settings)
 
     def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
         assert x.log_prob is not None and x.old_log_prob is not None and x.advantages is not None
         loss, metrics = policy_loss(
             x.log_prob, x.old_log_prob, x.advantages, clip_ratio=settings.clip_ratio, adv_clip_max=settings.adv_clip_max
         )
-        kl = loss.new_zeros(())
-        if settings.kl_coef > 0:
-            if settings.kl_type == "velocity":
-                assert x.velocity is not None and x.ref_velocity is not None
-                kl = velocity_kl_loss(x.velocity, x.ref_velocity)
-            else:
-                assert x.prev_sample_mean is not None and x.ref_prev_sample_mean is not None and x.std_dev_t is not None
-                kl = kl_loss(x.prev_sample_mean, x.ref_prev_sample_mean, x.std_dev_t)
-            loss = loss + settings.kl_coef * kl
-        metrics["kl_loss"] = kl.detach()
-        return loss, metrics
+        return with_kl_penalty(loss, metrics, x, settings), metrics
 
 
 LOSS = FlowGRPOLoss()
