@@ -1,13 +1,14 @@
-"""GRPO-Guard and Flow-DPPO through the whole flow: one run each of the suite's lean config (2 epochs of one step, 2
-prompts x 4 samples, on the session's Ray cluster, TransferQueue and Prefect API) with only `diffusion_loss.loss_mode`
-changed.
+"""GRPO-Guard, Flow-DPPO and MixGRPO through the whole flow: one run each of the suite's lean config (2 epochs of one
+step, 2 prompts x 4 samples, on the session's Ray cluster, TransferQueue and Prefect API) with only the key that selects
+the algorithm changed (`diffusion_loss.loss_mode`; MixGRPO: `model.algorithm=mix_grpo`, random windows).
 
 Each run completes and writes its checkpoint; its first step is on-policy, so the loss's ratio is exactly 1.0 (GRPO-
 Guard: the old pass's means equal the update's first forward's bit for bit, so the drift term is exactly 0; Flow-DPPO:
 every KL is 0 and nothing is masked); the loss's own diagnostics reach the run's metrics. Against Flow-GRPO's run of
 the same config (`flow_reference`): each step of this config is one on-policy mini-batch, where Flow-DPPO's objective is
 Flow-GRPO's (ratio 1 inside the clip range, nothing masked: both are -A r), so its weights must end bit-identical to
-Flow-GRPO's; GRPO-Guard's ratio carries the step's scale s sigma and its loss 1 / s^2, so its weights must differ.
+Flow-GRPO's; GRPO-Guard's ratio carries the step's scale s sigma and its loss 1 / s^2, and MixGRPO trains other SDE
+windows (one per step for all samples), so theirs must differ.
 """
 
 from __future__ import annotations
@@ -27,18 +28,23 @@ def _records(ckpt) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("loss_mode", "own_metric", "same_as_flow_grpo"),
-    [("grpo_guard", "actor/ratio_mean_bias", False), ("flow_dppo", "actor/masked_fraction", True)],
+    ("selects", "own_metric", "same_as_flow_grpo"),
+    [
+        ("actor_rollout_ref.actor.diffusion_loss.loss_mode=grpo_guard", "actor/ratio_mean_bias", False),
+        ("actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_dppo", "actor/masked_fraction", True),
+        ("actor_rollout_ref.model.algorithm=mix_grpo", None, False),
+    ],
+    ids=["grpo_guard", "flow_dppo", "mix_grpo"],
 )
-def test_a_run_trains_with_the_loss_and_its_first_ratio_is_exactly_one(
-    loss_mode, own_metric, same_as_flow_grpo, flow_overrides, flow_reference, tmp_path
+def test_a_run_trains_with_the_algorithm_and_its_first_ratio_is_exactly_one(
+    selects, own_metric, same_as_flow_grpo, flow_overrides, flow_reference, tmp_path
 ):
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     ckpt = tmp_path / "ckpt"
     overrides = [
         *flow_overrides,
-        f"actor_rollout_ref.actor.diffusion_loss.loss_mode={loss_mode}",
+        selects,
         "trainer.val_before_train=false",
         f"trainer.default_local_dir={ckpt}",
     ]
@@ -46,7 +52,8 @@ def test_a_run_trains_with_the_loss_and_its_first_ratio_is_exactly_one(
     assert state.is_completed(), state.message
     records = _records(ckpt)
     assert [r["actor/ratio_mean"] for r in records] == [1.0, 1.0]  # every step: one on-policy mini-batch
-    assert [r[own_metric] for r in records] == [0.0, 0.0]
+    if own_metric is not None:
+        assert [r[own_metric] for r in records] == [0.0, 0.0]
     # Step 1 runs at lr 0 (the cosine schedule's first step), step 2 trains.
     _, _, reference_ckpt = flow_reference
     ours, flow_grpo = final_weights(ckpt), final_weights(reference_ckpt)

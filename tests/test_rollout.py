@@ -131,3 +131,47 @@ def test_trajectory_columns_and_batches_round_trip(sd3_policy):
     assert all(torch.equal(restored.cond[k], traj.cond[k]) for k in traj.cond)
     with pytest.raises(ValueError, match="inconsistent shapes"):
         Trajectory(**{**vars(traj), "timesteps": traj.timesteps[:, :1]})
+
+
+# ----------------------------------------------------------------------------- MixGRPO's window schedule
+def _mix_params(strategy: str, **algo):
+    from omni_core.config import load_config
+    from omni_core.rollout.sampling_params import SamplingParams
+
+    overrides = [
+        "actor_rollout_ref.model.algorithm=mix_grpo",
+        f"actor_rollout_ref.rollout.algo.sample_strategy={strategy}",
+        "actor_rollout_ref.rollout.algo.sde_window_size=2",
+        "actor_rollout_ref.rollout.algo.sde_window_range=[0,5]",
+        "actor_rollout_ref.rollout.pipeline.num_inference_steps=6",
+        "actor_rollout_ref.rollout.pipeline.height=32",
+        "actor_rollout_ref.rollout.pipeline.width=32",
+        "actor_rollout_ref.rollout.n=2",
+        *(f"actor_rollout_ref.rollout.algo.{k}={v}" for k, v in algo.items()),
+    ]
+    arr = load_config(overrides=overrides).actor_rollout_ref
+    return SamplingParams.for_training(arr.rollout, arr.model.algorithm)
+
+
+def test_mixgrpo_random_windows_are_one_per_step_and_the_same_on_two_workers(sd3_policy):
+    """Two workers sampling different prompts of the same step (different sample seeds) get the same window, whose
+    start is verl-omni's draw: Python's random.Random(sde_window_seed + step).randint(lo, hi - size)."""
+    import random
+
+    params = _mix_params("random", sde_window_seed=42)
+    for step in (1, 2, 3):
+        expected = random.Random(42 + step).randint(0, 5 - 2)
+        worker_a = generate(sd3_policy, ["a red circle"], prompt_indices=[0], **params.generate_kwargs(step))
+        worker_b = generate(sd3_policy, ["two blue squares"], prompt_indices=[1], **params.generate_kwargs(step))
+        assert worker_a.window_start.tolist() == worker_b.window_start.tolist() == [expected, expected]
+    # Without MixGRPO each sample draws its own window from its seed: these differ inside one batch.
+    flow_grpo = params.replace(mix_window=None)
+    starts = generate(sd3_policy, PROMPTS * 4, prompt_indices=range(8), **flow_grpo.generate_kwargs(1)).window_start
+    assert len(set(starts.tolist())) > 1
+
+
+def test_mixgrpo_progressive_windows_slide_by_their_size_every_iters_per_group_steps():
+    """Hand table for sde_window_size=2 in [0, 5) with iters_per_group=2: start = min(0 + (step // 2) * 2, 3)."""
+    params = _mix_params("progressive", iters_per_group=2)
+    starts = [params.generate_kwargs(step)["sde_window_range"] for step in range(1, 8)]
+    assert starts == [(0, 2), (2, 4), (2, 4), (3, 5), (3, 5), (3, 5), (3, 5)]

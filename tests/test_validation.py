@@ -137,6 +137,21 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
     (
+        ["actor_rollout_ref.rollout.algo.sde_window_seed=42"],
+        "actor_rollout_ref.rollout.algo.sde_window_seed",
+        "read only by MixGRPO",
+    ),
+    (
+        ["actor_rollout_ref.model.algorithm=mix_grpo", "actor_rollout_ref.rollout.algo.iters_per_group=3"],
+        "actor_rollout_ref.rollout.algo.iters_per_group",
+        "sample_strategy=progressive",
+    ),
+    (
+        ["actor_rollout_ref.model.algorithm=mix_grpo", "actor_rollout_ref.rollout.algo.sde_window_size=null"],
+        "actor_rollout_ref.rollout.algo.sde_window_size",
+        "MixGRPO (model.algorithm=mix_grpo) places a window",
+    ),
+    (
         ["actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_dppo", "actor_rollout_ref.actor.diffusion_loss.clip_ratio=0.2"],
         "actor_rollout_ref.actor.diffusion_loss.clip_ratio",
         "is not read by loss_mode flow_dppo",

@@ -35,7 +35,7 @@ ADV_ESTIMATOR_NAMES = ("flow_grpo", "dance_grpo")  # algorithm.adv_estimator
 
 # actor_rollout_ref.model.algorithm: verl-omni's pipeline adapter of a model (`DiffusionModelBase.register(name,
 # algorithm=...)`: how it samples and scores transitions), not the loss. OmniFlow has Flow-GRPO's.
-MODEL_ALGORITHM_NAMES = ("flow_grpo",)
+MODEL_ALGORITHM_NAMES = ("flow_grpo", "mix_grpo")  # mix_grpo: Flow-GRPO's sampler with MixGRPO's window schedule
 
 # actor_rollout_ref.actor.diffusion_loss.loss_mode -> the loss
 LOSSES: dict[str, LossEntry] = {

@@ -238,6 +238,9 @@ class SdeAlgoConfig(ConfigModel):
     sde_type: Literal["sde", "cps"] = _g("sde_type")
     sde_window_size: PositiveInt | None = _g("sde_window_size")
     sde_window_range: tuple[NonNegInt, NonNegInt] | None = _g("sde_window_range")
+    sample_strategy: Literal["random", "progressive"] = _g("sample_strategy")
+    iters_per_group: PositiveInt = _g("iters_per_group")
+    sde_window_seed: int = _g("sde_window_seed")
 
 
 _vp = _Section("actor_rollout_ref.rollout.val_kwargs.pipeline")

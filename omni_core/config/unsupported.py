@@ -82,12 +82,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.algo.sde_contiguous": (
         "OmniFlow's SDE window is always one contiguous run of steps (verl-omni's sde_contiguous=true); remove this key."
     ),
-    "actor_rollout_ref.rollout.algo.sde_window_seed": (
-        "each sample's window start is drawn from its own seed (actor_rollout_ref.rollout.seed, step, prompt, "
-        "sample); set actor_rollout_ref.rollout.seed instead."
-    ),
-    "actor_rollout_ref.rollout.algo.sample_strategy": "MixGRPO sliding windows are not implemented; remove this key.",
-    "actor_rollout_ref.rollout.algo.iters_per_group": "MixGRPO sliding windows are not implemented; remove this key.",
     **{
         f"actor_rollout_ref.rollout.pipeline.{k}": _VIDEO
         for k in ("num_frames", "frame_rate", "video_flow_shift", "aspect_ratio")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omni_core.rollout.mix_windows import MixWindow
 from omni_core.sde_defaults import NOISE_LEVEL, SDE_TYPE
 
 
@@ -38,6 +39,7 @@ class SamplingParams:
             mode trains on them, and the trainer reports their drift from its own recomputation).
         record_window: keep the SDE window (latents, timesteps, prompt embeddings) for training; False keeps
             only the images and scores (validation).
+        mix_window: MixGRPO's window schedule (``model.algorithm=mix_grpo``): the step's window replaces the range.
         fixed_noise: seed every request as global step 0, so the same prompt gets the same noise at every
             evaluation and images are comparable across steps (validation); False reseeds per step.
     """
@@ -57,10 +59,16 @@ class SamplingParams:
     calculate_log_probs: bool = True
     record_window: bool = True
     fixed_noise: bool = False
+    mix_window: MixWindow | None = None
 
     @classmethod
-    def for_training(cls, rollout: Any) -> SamplingParams:
-        """A training step's sampling, from the ``actor_rollout_ref.rollout`` config section."""
+    def for_training(cls, rollout: Any, model_algorithm: str = "flow_grpo") -> SamplingParams:
+        """A training step's sampling, from the ``actor_rollout_ref.rollout`` config section; ``model_algorithm``
+        (``actor_rollout_ref.model.algorithm``) ``mix_grpo`` places each step's SDE window by MixGRPO's schedule."""
+        algo = rollout.algo
+        mix = (
+            MixWindow(algo.sample_strategy, algo.iters_per_group, algo.sde_window_seed) if model_algorithm == "mix_grpo" else None
+        )
         return cls(
             n=rollout.n,
             seed=rollout.seed or 0,
@@ -77,6 +85,7 @@ class SamplingParams:
             calculate_log_probs=rollout.calculate_log_probs,
             record_window=True,
             fixed_noise=False,
+            mix_window=mix,
         )
 
     @classmethod
@@ -93,6 +102,7 @@ class SamplingParams:
             calculate_log_probs=False,
             record_window=False,
             fixed_noise=True,
+            mix_window=None,
         )
 
     def replace(self, **changes: Any) -> SamplingParams:
@@ -106,7 +116,12 @@ class SamplingParams:
     def generate_kwargs(self, global_step: int) -> dict[str, Any]:
         """``generate``'s keyword arguments for a request made at ``global_step``."""
         kwargs = {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("fixed_noise", "record_window")
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("fixed_noise", "record_window", "mix_window")
         }
         kwargs["global_step"] = 0 if self.fixed_noise else global_step
+        if self.mix_window is not None:  # MixGRPO: every sample of the step in the step's window
+            assert self.sde_window_size is not None and self.sde_window_range is not None  # validation
+            kwargs["sde_window_range"] = self.mix_window.range_at(global_step, self.sde_window_size, self.sde_window_range)
         return kwargs

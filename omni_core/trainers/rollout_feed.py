@@ -144,7 +144,8 @@ class RolloutFeed:
             self.trainer.log(f"step {step}: prompt group {uid} failed: {reason}", logging.WARNING)
 
     def _training_params(self) -> SamplingParams:
-        return SamplingParams.for_training(self.config.actor_rollout_ref.rollout)
+        arr = self.config.actor_rollout_ref
+        return SamplingParams.for_training(arr.rollout, arr.model.algorithm)
 
 
 class SyncFeed(RolloutFeed):
