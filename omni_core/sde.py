@@ -15,6 +15,11 @@ noise), ``sigma_next`` the next one, ``dt = sigma_next - sigma < 0``, ``v`` the 
     std  = sigma_next * sin(a * pi / 2);  x0 = x - sigma v;  x1 = x + (1 - sigma) v
     mean = (1 - sigma_next) x0 + sqrt(sigma_next^2 - std^2) x1;  x' = mean + std * eps
     logp = mean over non-batch dims of  -(x' - mean)^2          (constants dropped, as in flow_grpo)
+``dance_sde`` (DanceGRPO, arXiv 2505.07818; verl-omni's ``FlowMatchSDEDiscreteScheduler``): a score-corrected step,
+stable at sigma = 1:
+    x0   = x - sigma v;  score = -(x - (1 - sigma) x0) / sigma^2
+    mean = x + v dt - (a^2 / 2) score dt;  std = a * sqrt(-dt);  x' = mean + std * eps
+    logp = mean over non-batch dims of  log N(x'; mean, std^2)
 
 All arithmetic is fp32 whatever the input dtype (bf16 breaks the on-policy ratio == 1). ``noise_level == 0``
 is the deterministic Euler step ``x + v dt`` with a zero log-prob (the Gaussian is degenerate there).
@@ -29,7 +34,7 @@ import torch
 
 from omni_core.sde_defaults import NOISE_LEVEL, SDE_TYPE
 
-SDE_TYPES = ("sde", "cps")
+SDE_TYPES = ("sde", "cps", "dance_sde")
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
@@ -78,7 +83,8 @@ def sde_step_from_sigmas(
     instead of sampling a new one (the gradient flows through the mean only).
 
     Returns ``(prev_sample [B, ...], log_prob [B], prev_sample_mean [B, ...], std_dev_t [B, 1, ..., 1])``,
-    all fp32; ``std_dev_t`` is flow_grpo's per-step std (without the ``sqrt(-dt)`` factor for ``sde``).
+    all fp32; ``std_dev_t`` is flow_grpo's per-step std (without the ``sqrt(-dt)`` factor for ``sde``; with it for
+    ``dance_sde``, as verl-omni's scheduler returns it).
     """
     if sde_type not in SDE_TYPES:
         raise ValueError(f"sde_type={sde_type!r} is not supported; choose one of {list(SDE_TYPES)}")
@@ -101,6 +107,12 @@ def sde_step_from_sigmas(
         std_dev_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))
         mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
         scale = std_dev_t * torch.sqrt(-dt)
+    elif sde_type == "dance_sde":
+        x0 = x - sigma * v
+        score = -(x - (1 - sigma) * x0) / sigma**2
+        mean = x + v * dt - 0.5 * noise_level**2 * score * dt
+        std_dev_t = noise_level * torch.sqrt(-dt)
+        scale = std_dev_t
     else:  # cps
         std_dev_t = sigma_next * math.sin(noise_level * math.pi / 2)
         x0 = x - sigma * v
@@ -112,7 +124,7 @@ def sde_step_from_sigmas(
         prev_sample = mean + scale * randn_per_sample(x.shape, generator, device)
     prev = prev_sample.detach().float()
 
-    if sde_type == "sde":
+    if sde_type in ("sde", "dance_sde"):
         log_prob = -((prev - mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * math.log(2 * math.pi)
     else:
         log_prob = -((prev - mean) ** 2)

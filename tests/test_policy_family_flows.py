@@ -1,14 +1,15 @@
 """GRPO-Guard, Flow-DPPO and MixGRPO through the whole flow: one run each of the suite's lean config (2 epochs of one
 step, 2 prompts x 4 samples, on the session's Ray cluster, TransferQueue and Prefect API) with only the key that selects
-the algorithm changed (`diffusion_loss.loss_mode`; MixGRPO: `model.algorithm=mix_grpo`, random windows).
+the algorithm changed (`diffusion_loss.loss_mode`; MixGRPO: `model.algorithm=mix_grpo`, random windows; DanceGRPO:
+`rollout.algo.sde_type=dance_sde` with loss and estimator `dance_grpo`).
 
 Each run completes and writes its checkpoint; its first step is on-policy, so the loss's ratio is exactly 1.0 (GRPO-
 Guard: the old pass's means equal the update's first forward's bit for bit, so the drift term is exactly 0; Flow-DPPO:
 every KL is 0 and nothing is masked); the loss's own diagnostics reach the run's metrics. Against Flow-GRPO's run of
 the same config (`flow_reference`): each step of this config is one on-policy mini-batch, where Flow-DPPO's objective is
 Flow-GRPO's (ratio 1 inside the clip range, nothing masked: both are -A r), so its weights must end bit-identical to
-Flow-GRPO's; GRPO-Guard's ratio carries the step's scale s sigma and its loss 1 / s^2, and MixGRPO trains other SDE
-windows (one per step for all samples), so theirs must differ.
+Flow-GRPO's; GRPO-Guard's ratio carries the step's scale s sigma and its loss 1 / s^2, MixGRPO trains other SDE
+windows (one per step for all samples) and DanceGRPO samples another SDE, so theirs must differ.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from flow_utils import final_weights
 from omni_core.tracking import read_jsonl
 
 pytestmark = pytest.mark.timeout(600)
+# DanceGRPO on images as verl-omni names it: its SDE step, and Flow-GRPO's loss and advantages under DanceGRPO's names.
+DANCE_GRPO = ["actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo", "algorithm.adv_estimator=dance_grpo"]
 
 
 def _records(ckpt) -> list[dict]:
@@ -33,8 +36,9 @@ def _records(ckpt) -> list[dict]:
         ("actor_rollout_ref.actor.diffusion_loss.loss_mode=grpo_guard", "actor/ratio_mean_bias", False),
         ("actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_dppo", "actor/masked_fraction", True),
         ("actor_rollout_ref.model.algorithm=mix_grpo", None, False),
+        ("actor_rollout_ref.rollout.algo.sde_type=dance_sde", None, False),
     ],
-    ids=["grpo_guard", "flow_dppo", "mix_grpo"],
+    ids=["grpo_guard", "flow_dppo", "mix_grpo", "dance_grpo"],
 )
 def test_a_run_trains_with_the_algorithm_and_its_first_ratio_is_exactly_one(
     selects, own_metric, same_as_flow_grpo, flow_overrides, flow_reference, tmp_path
@@ -44,7 +48,7 @@ def test_a_run_trains_with_the_algorithm_and_its_first_ratio_is_exactly_one(
     ckpt = tmp_path / "ckpt"
     overrides = [
         *flow_overrides,
-        selects,
+        *([selects] if "dance_sde" not in selects else [selects, *DANCE_GRPO]),
         "trainer.val_before_train=false",
         f"trainer.default_local_dir={ckpt}",
     ]

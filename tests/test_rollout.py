@@ -73,7 +73,7 @@ def test_window_shapes_and_per_sample_bookkeeping(policy_name, request):
 
 @pytest.mark.parametrize(
     "policy_name,guidance,sde_type",
-    [("sd3_policy", 3.0, "sde"), ("sd3_policy", 1.0, "cps"), ("flux_policy", 3.5, "sde")],
+    [("sd3_policy", 3.0, "sde"), ("sd3_policy", 1.0, "cps"), ("sd3_policy", 1.0, "dance_sde"), ("flux_policy", 3.5, "sde")],
 )
 def test_rescoring_with_unchanged_weights_gives_ratio_exactly_one(policy_name, guidance, sde_type, request):
     policy = request.getfixturevalue(policy_name)

@@ -28,7 +28,7 @@ def _inputs(seed: int = 0):
     return v, x, sigma, sigma_next
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance_sde"])
 def test_noise_level_zero_is_the_euler_step(sde_type):
     v, x, sigma, sigma_next = _inputs()
     prev, log_prob, mean, std = sde_step_from_sigmas(v, x, sigma, sigma_next, 0.95, 0.0, sde_type=sde_type)
@@ -53,6 +53,31 @@ def test_sde_log_prob_equals_torch_normal_and_mean_follows_the_paper():
     normal = torch.distributions.Normal(expected_mean, sigma_t * torch.sqrt(-dt))
     expected = normal.log_prob(prev).mean(dim=(1, 2, 3))
     torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dance_sde_mean_and_log_prob_follow_dancegrpos_score_corrected_step():
+    """DanceGRPO's step (arXiv 2505.07818, as verl-omni's scheduler): with x0 = x - sigma v, the score
+    -(x - (1 - sigma) x0) / sigma^2 = -(x - (1 - sigma)(x - sigma v)) / sigma^2 corrects the Euler mean by
+    -(a^2 / 2) score dt, and the noise is a sqrt(-dt) (written here in the expanded form, not the code's)."""
+    v, x, sigma, sigma_next = _inputs()
+    a = 0.8
+    prev, log_prob, mean, std = sde_step_from_sigmas(
+        v, x, sigma, sigma_next, 0.95, a, generator=torch.Generator().manual_seed(2), sde_type="dance_sde"
+    )
+    s = sigma.view(B, 1, 1, 1)
+    dt = (sigma_next - sigma).view(B, 1, 1, 1)
+    score = -(s * x + s * (1 - s) * v) / s**2  # x - (1 - s)(x - s v) = s x + s (1 - s) v
+    expected_mean = x + v * dt - a**2 / 2 * score * dt
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(std, a * torch.sqrt(-dt))
+    expected = torch.distributions.Normal(expected_mean, a * torch.sqrt(-dt)).log_prob(prev).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-5)
+    # Re-scoring the sampled transition gives the same log-prob (the on-policy ratio is exactly 1).
+    _, again, _, _ = sde_step_from_sigmas(v, x, sigma, sigma_next, 0.95, a, prev_sample=prev, sde_type="dance_sde")
+    assert torch.equal(again, log_prob)
+    # At sigma = 1 (where Flow-GRPO's sde needs sigma_max) the step stays finite.
+    _, at_one, _, _ = sde_step_from_sigmas(v, x, torch.ones(B), sigma_next, 0.95, a, sde_type="dance_sde")
+    assert torch.isfinite(at_one).all()
 
 
 def test_sde_sigma_one_uses_sigma_max_and_stays_finite():

@@ -62,7 +62,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "actor_rollout_ref.actor.diffusion_loss.adv_clip_max",
         "greater than 0",
     ),
-    (["actor_rollout_ref.rollout.algo.sde_type=ode"], "actor_rollout_ref.rollout.algo.sde_type", "'sde' or 'cps'"),
+    (["actor_rollout_ref.rollout.algo.sde_type=ode"], "actor_rollout_ref.rollout.algo.sde_type", "'sde', 'cps' or 'dance_sde'"),
     (["trainer.resume_mode=sometimes"], "trainer.resume_mode", "auto"),
     (["data=3"], "data", "is a section"),
     # cross-field rules (validate_config)
@@ -136,6 +136,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
+    (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "sde_type=dance_sde"),
     (
         ["actor_rollout_ref.rollout.algo.sde_window_seed=42"],
         "actor_rollout_ref.rollout.algo.sde_window_seed",

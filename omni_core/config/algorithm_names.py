@@ -40,6 +40,7 @@ MODEL_ALGORITHM_NAMES = ("flow_grpo", "mix_grpo")  # mix_grpo: Flow-GRPO's sampl
 # actor_rollout_ref.actor.diffusion_loss.loss_mode -> the loss
 LOSSES: dict[str, LossEntry] = {
     "flow_grpo": LossEntry("omni_core.algorithms.losses.flow_grpo"),
+    "dance_grpo": LossEntry("omni_core.algorithms.losses.flow_grpo"),  # verl-omni registers Flow-GRPO's loss under both
     "grpo_guard": LossEntry("omni_core.algorithms.losses.grpo_guard", old_policy_means=True),
     "flow_dppo": LossEntry(
         "omni_core.algorithms.losses.flow_dppo",

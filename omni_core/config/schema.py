@@ -235,7 +235,7 @@ _g = _Section("actor_rollout_ref.rollout.algo")
 
 class SdeAlgoConfig(ConfigModel):
     noise_level: Annotated[float, Field(ge=0)] = _g("noise_level")
-    sde_type: Literal["sde", "cps"] = _g("sde_type")
+    sde_type: Literal["sde", "cps", "dance_sde"] = _g("sde_type")
     sde_window_size: PositiveInt | None = _g("sde_window_size")
     sde_window_range: tuple[NonNegInt, NonNegInt] | None = _g("sde_window_range")
     sample_strategy: Literal["random", "progressive"] = _g("sample_strategy")

@@ -131,9 +131,6 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
         "(data-parallel ranks, full parameters on each) or torch (one rank)."
         for s in ("fsdp", "veomni", "megatron")
     },
-    "actor_rollout_ref.rollout.algo.sde_type": {
-        "dance_sde": "the DanceGRPO SDE is not implemented; use sde_type=sde or cps.",
-    },
     "trainer.v1.trainer_mode": {
         "colocate_async": "colocate_async is not implemented (verl-omni has only a yaml stub); use sync or separate_async.",
     },

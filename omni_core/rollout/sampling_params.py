@@ -32,7 +32,7 @@ class SamplingParams:
             Which of the two is CFG is the architecture's (``ArchAdapter.cfg_scale``); above 1.0 the prompts'
             negative prompts are used.
         noise_level: SDE noise (0 = the deterministic Euler ODE step everywhere).
-        sde_type: ``sde`` (Flow-GRPO) or ``cps``.
+        sde_type: ``sde`` (Flow-GRPO), ``cps`` or ``dance_sde`` (DanceGRPO).
         sde_window_size, sde_window_range: the SDE window (see ``omni_core.sde.sample_sde_windows``).
         max_sequence_length: text-encoder tokens.
         calculate_log_probs: record each in-window step's log-prob (``rollout.calculate_log_probs``: bypass

@@ -13,7 +13,17 @@ from omni_core.config.schema import DiffusionLossConfig
 def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     p: list[ConfigProblem] = []
     model, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
-    if model.algorithm not in MODEL_ALGORITHM_NAMES:
+    if model.algorithm == "dance_grpo":
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.algorithm",
+                "verl-omni's dance_grpo adapter samples Wan2.2 videos, and video is not supported yet; DanceGRPO on images "
+                "is model.algorithm=flow_grpo with actor_rollout_ref.rollout.algo.sde_type=dance_sde (loss_mode and "
+                "adv_estimator dance_grpo are Flow-GRPO's under DanceGRPO's name)",
+                model.algorithm,
+            )
+        )
+    elif model.algorithm not in MODEL_ALGORITHM_NAMES:
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.model.algorithm",
