@@ -92,3 +92,24 @@ class EpochResult:
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     val_metrics: dict[str, float] = field(default_factory=dict)
     val_grids: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LocalUpdate:
+    """Local update `index` of the `count` that one global step runs (separate_async: `parameter_sync_step`, each on
+    `train_batch_size / count` prompts, as verl-omni's `step`; otherwise one). The shuffle is seeded by the update's
+    own number; the learning-rate schedule counts updates."""
+
+    index: int = 0
+    count: int = 1
+
+    def seed_step(self, global_step: int) -> int:
+        """The update's number, counted from 1 over the run: the global step itself when a step is one update."""
+        return (global_step - 1) * self.count + self.index + 1
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+ONE_UPDATE = LocalUpdate()

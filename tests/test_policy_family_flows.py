@@ -58,7 +58,6 @@ def test_a_run_trains_with_the_algorithm_and_its_first_ratio_is_exactly_one(
     assert [r["actor/ratio_mean"] for r in records] == [1.0, 1.0]  # every step: one on-policy mini-batch
     if own_metric is not None:
         assert [r[own_metric] for r in records] == [0.0, 0.0]
-    # Step 1 runs at lr 0 (the cosine schedule's first step), step 2 trains.
     _, _, reference_ckpt = flow_reference
     ours, flow_grpo = final_weights(ckpt), final_weights(reference_ckpt)
     assert ours.keys() == flow_grpo.keys()

@@ -225,3 +225,41 @@ def test_a_slow_prompt_group_is_dropped_or_waited_for(
         assert max(r["training/off_policy/trajectory_staleness_worst/max"] for r in records) <= 1.0
         # step 3 waited for the slow group (version 1) rather than train the fast one put at step 3 (version 2)
         assert records[2]["training/off_policy/trajectory_staleness/max"] == 1.0, records[2]
+
+
+def test_a_step_runs_parameter_sync_step_local_updates_as_verl_omni(
+    flow_overrides, tmp_path, prefect_api, ray_cluster, transfer_queue
+):
+    """verl-omni's separate_async step: `parameter_sync_step` local updates, each on `train_batch_size /
+    parameter_sync_step` prompt groups with its own advantages and optimizer step, and a learning-rate schedule over
+    `total_training_steps x parameter_sync_step` updates. Two prompts per step, two local updates of one group each, two
+    global steps (4 updates): the cosine schedule's multiplier after u updates is 0.5 (1 + cos(pi u / 4)), and a step's
+    `actor/lr` is its last update's, after 1 and 3 updates (one update per step would log the multipliers after 0 and 1
+    of 2: 1 and 0.5)."""
+    import math
+
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    from omni_core.config import load_config
+
+    ckpt = tmp_path / "ckpt"
+    overrides = [
+        *flow_overrides,
+        *[o for o in ASYNC if not o.startswith(("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"))],
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={ckpt}",
+    ]
+    lr = load_config(overrides=overrides).actor_rollout_ref.actor.optim.lr
+    state = main_diffusion_v1(overrides=overrides, return_state=True)
+    assert state.is_completed(), state.message
+    records = _step_records(ckpt)
+    assert [r["step"] for r in records] == [1, 2]
+    expected = [lr * 0.5 * (1 + math.cos(math.pi * u / 4)) for u in (1, 3)]
+    assert [r["actor/lr"] for r in records] == pytest.approx(expected, rel=1e-6)
+    # Both steps' batches were sampled with the base weights (published after every 2nd step): step 2's groups are
+    # one version stale.
+    assert [r["training/off_policy/trajectory_staleness/max"] for r in records] == [0.0, 1.0]

@@ -50,6 +50,18 @@ class SampledBatch:
     evicted_spans: list[int] = field(default_factory=list)  # the span of each over-stale group cleared (StalenessRule)
 
 
+def merge_batches(batches: list[SampledBatch]) -> SampledBatch:
+    """One global step's batches of several local updates as one: prompts and trajectory keys in update order (each
+    update's keys sorted, as it trained them), failures, versions and evicted spans together."""
+    return SampledBatch(
+        prompt_uids=[uid for b in batches for uid in b.prompt_uids],
+        trajectory_keys=[key for b in batches for key in b.trajectory_keys],
+        failed_uids={uid: reason for b in batches for uid, reason in b.failed_uids.items()},
+        versions={uid: version for b in batches for uid, version in b.versions.items()},
+        evicted_spans=[span for b in batches for span in b.evicted_spans],
+    )
+
+
 @dataclass(frozen=True)
 class StalenessRule:
     """separate_async's off-policy bound at training step ``step``, as verl's ReplayBuffer applies it: ``threshold``

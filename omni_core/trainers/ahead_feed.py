@@ -149,8 +149,15 @@ class AheadFeed(RolloutFeed):
     # after_ema_validation: nothing to undo, every training request names the weights it samples with.
 
     # ---------------------------------------------------------------- the step's batch
-    def sample(self, step: int) -> SampledBatch:
-        """Put the batches due (`AheadSchedule.due`), then the oldest complete groups within the staleness bound."""
+    @property
+    def local_updates(self) -> int:
+        """verl-omni's separate_async step: `parameter_sync_step` local updates, each on `train_batch_size /
+        parameter_sync_step` prompt groups sampled from the replay buffer with their own advantages."""
+        return self._sync_every
+
+    def sample(self, step: int, prompts: int | None = None) -> SampledBatch:
+        """Put the batches due (`AheadSchedule.due`; at a step's first call only), then the oldest `prompts` complete
+        groups (default: `train_batch_size`) within the staleness bound."""
         self._busy_at_sample = self.agent_loop.busy_seconds
         for due in self.schedule.due(step):
             self._put(due, step, f"{due:06d}")
@@ -163,7 +170,8 @@ class AheadFeed(RolloutFeed):
             liveness_check=self.agent_loop.check_alive,
         )
         n = self.config.actor_rollout_ref.rollout.n
-        batch = buffer.sample(self.config.data.train_batch_size, step, n, rule, refill=lambda _missing: self._refill(step))
+        size = prompts or self.config.data.train_batch_size
+        batch = buffer.sample(size, step, n, rule, refill=lambda _missing: self._refill(step))
         self._log_failed_groups(batch, step)
         return batch
 

@@ -44,7 +44,7 @@ from omni_core.distributed.run_control import kill_run_actors, raise_if_stop_req
 from omni_core.distributed.worker_logs import ActorLogs
 from omni_core.distributed.worker_pool import actor_options, create_pool, pool_wait_s, remove_pool
 from omni_core.faults import is_out_of_memory, out_of_memory_error
-from omni_core.records import EpochResult, RunInfo
+from omni_core.records import EpochResult, LocalUpdate, RunInfo
 from omni_core.reports.images import save_image_grid
 from omni_core.resources import resource_plan, rollout_worker_count, standalone_rollout, uses_hybrid_engine
 from omni_core.rewards.failures import check_failure_share
@@ -52,6 +52,7 @@ from omni_core.rollout.group_refill import group_refill_metrics
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
+from omni_core.tq.replay_buffer import SampledBatch, merge_batches
 from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
 from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.workers.training_ranks import TrainingRanks
@@ -187,7 +188,9 @@ class PolicyGradientDiffusionTrainerV1:
         colocated = None
         if uses_hybrid_engine(self.config):  # each rank is also a rollout worker (verl's hybrid engine)
             colocated = {"rollout_threads": rollout_threads(standalone), "prompt_embeddings": self.run.prompt_embeddings}
-        self.ranks = TrainingRanks.create(self.config, names, plan, options, self.total_training_steps, threads, colocated)
+        # The learning-rate schedule counts updates: separate_async runs parameter_sync_step of them per step (verl-omni).
+        updates = self.total_training_steps * self.feed.local_updates
+        self.ranks = TrainingRanks.create(self.config, names, plan, options, updates, threads, colocated)
         self.actor = self.ranks.leader
         self._start_agent_loop()  # the rollout workers load their model while the ranks load theirs
 
@@ -415,36 +418,21 @@ class PolicyGradientDiffusionTrainerV1:
         step, timer = self.global_step, Timer()
         t = self.config.trainer
         with timer("step"):
-            with timer("gen"):
-                batch = self.feed.sample(step)
-            timer.timing.update(self.feed.worker_timing())
+            # One update, or separate_async's parameter_sync_step local updates (verl-omni's `step`): each samples
+            # its share of the step's prompt groups and trains them with their own advantages and optimizer steps.
+            k = self.feed.local_updates
+            parts: list[tuple[SampledBatch, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            actor_metrics: dict[str, float] = {}
+            for u in range(k):
+                batch, rewards, advantages, failed = self._local_update(step, LocalUpdate(u, k), timer, actor_metrics)
+                parts.append((batch, rewards, advantages, failed))
+            batch = parts[0][0] if k == 1 else merge_batches([part[0] for part in parts])
             keys = batch.trajectory_keys
-            rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed"])
-            with timer("adv"):
-                # A group is the samples of one prompt uid (a key's `<uid>_<session>_<index>`), never a position in a
-                # request: separate_async trains groups of several requests at once, whose positions repeat.
-                rewards, failed, group = rows["rewards"].float(), rows["failed"].bool(), prompt_groups(keys)
-                # Too many failed rewards: fail the step before any update (RewardFailureError, not retried).
-                num_failed = int(failed.sum())
-                check_failure_share(
-                    num_failed, len(keys), self.config.reward.max_failure_ratio, list(batch.failed_uids.values()), step=step
-                )
-                advantages = step_advantages(self.config.algorithm, rewards, failed, group)
-                ok = ~failed
-            assert self.ranks is not None
-            actor_metrics = self.ranks.train_step(
-                self.run.train_partition,
-                keys,
-                advantages,
-                step,
-                ACTOR_CALL_TIMEOUT_S,
-                staleness=self.feed.staleness_of(batch, step),
-            )
-            for name in ("old_log_prob", "update_actor"):
-                timer.timing[name] = actor_metrics.pop(f"timing_s/{name}")
+            rewards, advantages, failed = (torch.cat([part[i] for part in parts]) for i in (1, 2, 3))
+            group, ok = prompt_groups(keys), ~failed
             metrics: dict[str, float] = {**actor_metrics, **data_metrics(rewards[ok], advantages[ok], group[ok])}
             metrics["training/rollout_failure/failed_groups"] = float(len(batch.failed_uids))
-            metrics["training/rollout_failure/failed_samples"] = float(num_failed)
+            metrics["training/rollout_failure/failed_samples"] = float(failed.sum())
             metrics.update(group_refill_metrics(batch))  # drop_incomplete_groups: evicted / refilled / dropped groups
             if t.save_freq > 0 and step % t.save_freq == 0 and step % self.steps_per_epoch:
                 with timer("save_checkpoint"):
@@ -463,6 +451,43 @@ class PolicyGradientDiffusionTrainerV1:
         if self.step_callback is not None:
             self.step_callback(step, self.total_training_steps, metrics)
         return metrics
+
+    def _local_update(
+        self, step: int, local: LocalUpdate, timer: Timer, actor_metrics: dict[str, float]
+    ) -> tuple[SampledBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample one update's prompt groups, compute their advantages and train them; returns (batch, rewards,
+        advantages, failed) in `batch.trajectory_keys` order. `actor_metrics` gets the update's (the last one's stay,
+        as verl-omni's); the timings add up."""
+        assert self.ranks is not None
+        prompts = self.config.data.train_batch_size // local.count
+        with timer("gen"):
+            batch = self.feed.sample(step, prompts if local.count > 1 else None)
+        if local.index == 0:
+            timer.timing.update(self.feed.worker_timing())
+        keys = batch.trajectory_keys
+        rows = tqc.get_trajectories(self.run.train_partition, keys, select_fields=["rewards", "failed"])
+        with timer("adv"):
+            # A group is the samples of one prompt uid (a key's `<uid>_<session>_<index>`), never a position in a
+            # request: separate_async trains groups of several requests at once, whose positions repeat.
+            rewards, failed = rows["rewards"].float(), rows["failed"].bool()
+            # Too many failed rewards: fail the step before any update (RewardFailureError, not retried).
+            check_failure_share(
+                int(failed.sum()), len(keys), self.config.reward.max_failure_ratio, list(batch.failed_uids.values()), step=step
+            )
+            advantages = step_advantages(self.config.algorithm, rewards, failed, prompt_groups(keys))
+        update = self.ranks.train_step(
+            self.run.train_partition,
+            keys,
+            advantages,
+            step,
+            ACTOR_CALL_TIMEOUT_S,
+            staleness=self.feed.staleness_of(batch, step),
+            local=local,
+        )
+        for name in ("old_log_prob", "update_actor"):
+            timer.timing[name] = timer.timing.get(name, 0.0) + update.pop(f"timing_s/{name}")
+        actor_metrics.update(update)
+        return batch, rewards, advantages, failed
 
     def _validate(self) -> dict[str, float]:
         """Validation images at noise 0 (`rollout.val_kwargs`); mean reward per data_source."""

@@ -62,8 +62,14 @@ class RolloutFeed:
         return self.trainer.agent_loop
 
     # ---------------------------------------------------------------- the step's batch
-    def sample(self, step: int) -> SampledBatch:
-        """The training batch of `step`: complete prompt groups in the run's train partition."""
+    @property
+    def local_updates(self) -> int:
+        """How many updates one global step runs, each on its share of the step's prompts (1: one update)."""
+        return 1
+
+    def sample(self, step: int, prompts: int | None = None) -> SampledBatch:
+        """The training batch of `step` (or of one of its local updates: `prompts` of them): complete prompt groups
+        in the run's train partition."""
         raise NotImplementedError
 
     def worker_timing(self) -> dict[str, float]:
@@ -152,9 +158,9 @@ class SyncFeed(RolloutFeed):
     """sync: each step samples its own prompts with the current weights (staleness 0), and the workers get the
     trained weights after every step (verl-omni's `trainer_sync.py`: `on_step_end` updates the rollout weights)."""
 
-    def sample(self, step: int) -> SampledBatch:
+    def sample(self, step: int, prompts: int | None = None) -> SampledBatch:
         """The step's prompts, sampled now, as complete groups (with `trainer.v1.sampler.drop_incomplete_groups`,
-        failed groups refilled or dropped: `_refilling_failed_groups`)."""
+        failed groups refilled or dropped: `_refilling_failed_groups`). One update per step: `prompts` is the batch."""
         trainer = self.trainer
         assert trainer.dataloader is not None
         self._busy_at_sample = self.agent_loop.busy_seconds

@@ -145,6 +145,21 @@ def _separate_async_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 mbs,
             )
         )
+    # Each global step runs parameter_sync_step local updates, each one mini-batch of train_batch_size /
+    # parameter_sync_step prompt groups (verl-omni's step), split into micro-batches over the training ranks.
+    arr = config.actor_rollout_ref
+    micro, ranks = arr.actor.ppo_micro_batch_size_per_gpu, _training_ranks(config)
+    local = tbs // sa.parameter_sync_step * arr.rollout.n
+    if tbs % sa.parameter_sync_step == 0 and tbs == mbs and local % (micro * ranks):
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                f"each of a step's parameter_sync_step={sa.parameter_sync_step} local updates trains train_batch_size / "
+                f"parameter_sync_step x rollout.n = {local} samples, which {ranks} training rank(s) must split into "
+                f"micro-batches of this size; choose a divisor of {local // ranks if local % ranks == 0 else local}",
+                micro,
+            )
+        )
     if rollout.nnodes <= 0 or rollout.n_gpus_per_node <= 0:
         key, value = (
             ("actor_rollout_ref.rollout.nnodes", rollout.nnodes)
@@ -200,3 +215,9 @@ def _separate_async_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             )
         )
     return p
+
+
+def _training_ranks(config: OmniFlowConfig) -> int:
+    """The data-parallel training ranks (ddp / fsdp2: one per device; torch: one)."""
+    t = config.trainer
+    return t.n_gpus_per_node * t.nnodes if config.actor_rollout_ref.actor.strategy in ("ddp", "fsdp2") else 1

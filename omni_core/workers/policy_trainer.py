@@ -41,6 +41,7 @@ from omni_core.distributed import fsdp2
 from omni_core.models import lora
 from omni_core.models.placement import training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
+from omni_core.records import ONE_UPDATE, LocalUpdate
 from omni_core.rollout.sampler import TransitionScore, score_transitions
 from omni_core.rollout.trajectory import Trajectory
 
@@ -181,10 +182,12 @@ class PolicyTrainer:
         self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------------------- the no-grad passes
-    def update_config(self, global_step: int) -> PPOUpdateConfig:
+    def update_config(self, global_step: int, local: LocalUpdate = ONE_UPDATE) -> PPOUpdateConfig:
+        """The update's knobs at `global_step`; `local`: which of the step's local updates (separate_async runs
+        `parameter_sync_step` of them, each on its share of the prompts as one mini-batch)."""
         actor, n = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout.n
         return PPOUpdateConfig(
-            mini_batch_size=actor.ppo_mini_batch_size * n,
+            mini_batch_size=actor.ppo_mini_batch_size // local.count * n,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=actor.ppo_epochs,
             clip_ratio=actor.diffusion_loss.clip_ratio,
@@ -192,7 +195,7 @@ class PolicyTrainer:
             kl_coef=actor.kl_loss_coef if actor.use_kl_loss else 0.0,
             grad_clip=actor.grad_clip,
             shuffle=actor.shuffle,
-            seed=actor.data_loader_seed + global_step,
+            seed=actor.data_loader_seed + local.seed_step(global_step),
             loss_mode=actor.diffusion_loss.loss_mode,
             kl_type=actor.kl_loss_type,
             dp_rank=self.rank,
@@ -262,14 +265,14 @@ class PolicyTrainer:
         return out
 
     # ------------------------------------------------------------------------------- the training step
-    def local_samples(self, batch_size: int, global_step: int) -> list[int]:
+    def local_samples(self, batch_size: int, global_step: int, local: LocalUpdate = ONE_UPDATE) -> list[int]:
         """The step's sample indices this rank trains on (all of them on one rank), sorted."""
-        shares = local_schedule(batch_size, self.update_config(global_step))
+        shares = local_schedule(batch_size, self.update_config(global_step, local))
         return sorted({int(i) for share in shares for i in share})
 
-    def first_epoch_samples(self, batch_size: int, global_step: int) -> list[int]:
+    def first_epoch_samples(self, batch_size: int, global_step: int, local: LocalUpdate = ONE_UPDATE) -> list[int]:
         """This rank's slices of the first PPO epoch's mini-batches, in training order (ranks: a partition)."""
-        shares = local_schedule(batch_size, self.update_config(global_step))
+        shares = local_schedule(batch_size, self.update_config(global_step, local))
         per_epoch = len(shares) // self.config.actor_rollout_ref.actor.ppo_epochs
         return [int(i) for share in shares[:per_epoch] for i in share]
 
@@ -290,9 +293,10 @@ class PolicyTrainer:
         global_step: int,
         samples: list[int] | None = None,
         staleness: torch.Tensor | None = None,
+        local: LocalUpdate = ONE_UPDATE,
     ) -> dict[str, float]:
         """Old log-probs (or the rollout's, in bypass mode), the reference pass the loss declares, then the update of
-        one training step. `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all,
+        one training step (`local`: one of its local updates; the moving average folds after the last). `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all,
         in order), which include every sample of this rank's slices (`local_samples`). `staleness` (None: on-policy),
         one value per sample of the whole batch, adds the importance-ratio statistics per staleness level."""
         t0 = time.perf_counter()
@@ -304,7 +308,7 @@ class PolicyTrainer:
         # The no-grad passes run on this rank's first-epoch slices: a partition of the batch into equal parts (the
         # ranks' forwards pair up, as FSDP2's all-gathers need), in the micro-batches the update's first forwards
         # use (so the first ratio is exactly 1); a gather gives every rank every sample's values.
-        own = self.first_epoch_samples(batch_size, global_step) if self.world_size > 1 else rows
+        own = self.first_epoch_samples(batch_size, global_step, local) if self.world_size > 1 else rows
         part = traj.index_select(row_of[own])
         batch: dict[str, Any] = {"advantages": advantages.float(), "sample": torch.arange(batch_size)}
         drift: dict[str, float] = {}
@@ -348,11 +352,11 @@ class PolicyTrainer:
 
         if staleness is not None:
             batch["staleness"] = staleness.float()
-        metrics = self._update(batch, step_fn, global_step)
+        metrics = self._update(batch, step_fn, global_step, local)
         metrics.update(drift)
         self.count_nonfinite(metrics, global_step)
         self.version = global_step
-        if self.ema is not None:
+        if self.ema is not None and local.last:
             decay = self.ema.step(self.trainable_state(), global_step)
             metrics["actor/ema_decay"] = 0.0 if decay is None else decay  # 0: the average was not folded this step
         t2 = time.perf_counter()
@@ -362,7 +366,11 @@ class PolicyTrainer:
         return metrics
 
     def _update(
-        self, batch: dict[str, Any], step_fn: Callable[[dict[str, Any], int], StepOutput], global_step: int
+        self,
+        batch: dict[str, Any],
+        step_fn: Callable[[dict[str, Any], int], StepOutput],
+        global_step: int,
+        local: LocalUpdate = ONE_UPDATE,
     ) -> dict[str, float]:
         """`ppo_update` through the data-parallel wrapper, if any (one rank: the transformer as is)."""
         self.policy.transformer.train()
@@ -376,7 +384,7 @@ class PolicyTrainer:
                 self.lr_scheduler,
                 batch,
                 step_fn=step_fn,
-                cfg=self.update_config(global_step),
+                cfg=self.update_config(global_step, local),
                 scaler=self.grad_scaler,
                 no_grad_sync=no_sync,
             )

@@ -34,6 +34,7 @@ from omni_core.device import PROCESS_GROUP_BACKENDS
 from omni_core.distributed import fsdp2, process_group
 from omni_core.faults import is_peer_rank_lost
 from omni_core.models.placement import module_placement
+from omni_core.records import ONE_UPDATE, LocalUpdate
 from omni_core.rollout.request import RolloutRequest
 from omni_core.rollout.trajectory import Trajectory
 from omni_core.workers.colocated_rollout import ColocatedRollout
@@ -274,9 +275,9 @@ class TrainingActor:
         return written
 
     # ------------------------------------------------------------------------------- training
-    def local_samples(self, batch_size: int, global_step: int) -> list[int]:
+    def local_samples(self, batch_size: int, global_step: int, local: LocalUpdate = ONE_UPDATE) -> list[int]:
         """The step's sample indices this rank trains on (all of them on one rank), sorted."""
-        return self.trainer.local_samples(batch_size, global_step)
+        return self.trainer.local_samples(batch_size, global_step, local)
 
     def train_step(
         self,
@@ -285,16 +286,18 @@ class TrainingActor:
         advantages: torch.Tensor,
         global_step: int,
         staleness: torch.Tensor | None = None,
+        local: LocalUpdate = ONE_UPDATE,
     ) -> dict[str, float]:
-        """One training step on the rows `keys` (sorted) of `partition`: old log-probs, PPO update. A data-parallel
-        rank reads only the rows of its slices of the mini-batches. `staleness` (separate_async): each key's, in
-        model versions, for the importance-ratio metrics per staleness level (see `train_on`)."""
+        """One training step (or one of its local updates, `local`) on the rows `keys` (sorted) of `partition`: old
+        log-probs, PPO update. A data-parallel rank reads only the rows of its slices of the mini-batches. `staleness`
+        (separate_async): each key's, in model versions, for the importance-ratio metrics per staleness level (see
+        `train_on`)."""
         from omni_core.tq.client import get_trajectories
 
         t0 = time.perf_counter()
-        samples = self.local_samples(len(keys), global_step)
+        samples = self.local_samples(len(keys), global_step, local)
         traj = Trajectory.from_columns(get_trajectories(partition, [keys[i] for i in samples]))
-        metrics = self.train_on(traj, advantages, global_step, samples=samples, staleness=staleness)
+        metrics = self.train_on(traj, advantages, global_step, samples=samples, staleness=staleness, local=local)
         metrics["timing_s/old_log_prob"] += time.perf_counter() - t0 - metrics.pop("_train_s")
         return metrics
 
@@ -305,6 +308,7 @@ class TrainingActor:
         global_step: int,
         samples: list[int] | None = None,
         staleness: torch.Tensor | None = None,
+        local: LocalUpdate = ONE_UPDATE,
     ) -> dict[str, float]:
         """`PolicyTrainer.train_on`: old log-probs (or the rollout's, in bypass mode) then the update of one step.
 
@@ -318,7 +322,7 @@ class TrainingActor:
                 f"advantages: ({advantages.shape[0]},)"
             )
         try:
-            return self.trainer.train_on(traj, advantages, global_step, samples, staleness)
+            return self.trainer.train_on(traj, advantages, global_step, samples, staleness, local)
         except NonFiniteTrainingError:  # raised after the optimizer step was skipped: the weights are the last step's
             raise
         except Exception as exc:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from omni_core.records import WorkerNames
+from omni_core.records import ONE_UPDATE, LocalUpdate, WorkerNames
 from omni_core.resources import ResourcePlan
 
 if TYPE_CHECKING:
@@ -159,11 +159,19 @@ class TrainingRanks:
         return self.leader.get_ema_weights.remote()
 
     def train_step(
-        self, partition: str, keys: list[str], advantages: Any, step: int, timeout_s: float, staleness: torch.Tensor | None = None
+        self,
+        partition: str,
+        keys: list[str],
+        advantages: Any,
+        step: int,
+        timeout_s: float,
+        staleness: torch.Tensor | None = None,
+        local: LocalUpdate = ONE_UPDATE,
     ) -> dict[str, float]:
-        """One training step on every rank (each reads its own samples); the merged metrics. `staleness`: None
-        (on-policy) or each key's staleness in model versions, a float tensor `[B]` in the order of `keys`."""
-        calls = [h.train_step.remote(partition, keys, advantages, step, staleness=staleness) for h in self.handles]
+        """One training step (or one of its local updates, `local`) on every rank (each reads its own samples); the
+        merged metrics. `staleness`: None (on-policy) or each key's staleness in model versions, a float tensor `[B]`
+        in the order of `keys`."""
+        calls = [h.train_step.remote(partition, keys, advantages, step, staleness=staleness, local=local) for h in self.handles]
         return merge_rank_metrics(ray.get(calls, timeout=timeout_s))
 
     def versions(self, timeout_s: float) -> list[int]:
