@@ -72,13 +72,13 @@ def test_a_trust_region_loss_gets_the_old_policys_means_and_trains_with_the_sign
 
 def test_only_what_the_loss_declares_is_computed(tiny_sd3_dir, one_torch_thread):
     plain = _trainer(tiny_sd3_dir)
-    assert plain.needs == {"log_prob", "old_log_prob", "advantages"}
+    assert plain.needs == {"log_prob", "old_log_prob", "advantages", "rollout_weight"}
     assert plain.policy._reference is None  # no KL term: no reference copy and no reference pass
     traj = _rollout(plain, 1)
     assert plain.reference_predictions(traj) == {}
 
     kl = _trainer(tiny_sd3_dir, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=velocity")
-    assert kl.needs == {"log_prob", "old_log_prob", "advantages", "velocity", "ref_velocity"}
+    assert kl.needs == {"log_prob", "old_log_prob", "advantages", "rollout_weight", "velocity", "ref_velocity"}
     refs = kl.reference_predictions(traj)
     assert set(refs) == {"ref_velocity"} and refs["ref_velocity"].shape == traj.latents[:, 1:].shape
     # The reference is the base model: its velocity at step 0 equals the policy's before any update.

@@ -137,6 +137,18 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
     (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "sde_type=dance_sde"),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k9"], "algorithm.rollout_correction.rollout_rs", "unknown option"),
+    (["algorithm.rollout_correction.rollout_rs=token_k2"], "algorithm.rollout_correction.rollout_rs_threshold", "must be set"),
+    (
+        ["algorithm.rollout_correction.rollout_rs=token_k2", "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+        "algorithm.rollout_correction.rollout_rs_threshold",
+        "only k1 options take a pair",
+    ),
+    (
+        ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+        "algorithm.rollout_correction.rollout_is",
+        "calculate_log_probs=true",
+    ),
     (
         ["actor_rollout_ref.rollout.algo.sde_window_seed=42"],
         "actor_rollout_ref.rollout.algo.sde_window_seed",

@@ -40,7 +40,7 @@ REFUSED_IN_BOTH = {
     "reward.num_workers",  # rewards are scored inside the rollout workers (streaming reward)
 }
 
-# The Qwen-Image recipes of the policy-gradient family (GRPO-Guard, Flow-DPPO, MixGRPO): the algorithm keys are accepted; what is refused is the
+# The Qwen-Image recipes of the policy-gradient family (GRPO-Guard, Flow-DPPO, MixGRPO, rollout correction): the algorithm keys are accepted; what is refused is the
 # serving engine, CPU offload and the served reward model, plus a pool of 4 training ranks with verl-omni's default FSDP
 # engine (OmniFlow's default strategy is one torch rank; on a machine of fewer than 4 cores the rank count too).
 REFUSED_QWEN_IMAGE = {
@@ -66,6 +66,7 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "run_qwen_image_ocr_lora_grpoguard": REFUSED_QWEN_IMAGE,
     "run_qwen_image_ocr_lora_flowdppo": REFUSED_QWEN_IMAGE,
     "run_qwen_image_ocr_lora_mixgrpo": REFUSED_QWEN_IMAGE,
+    "run_qwen_image_ocr_lora_rollout_corr": REFUSED_QWEN_IMAGE,
 }
 # Each recipe's script in verl-omni's examples/ (the data file's header names it).
 SCRIPTS = {
@@ -74,6 +75,7 @@ SCRIPTS = {
     "run_qwen_image_ocr_lora_grpoguard": "grpoguard_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
     "run_qwen_image_ocr_lora_flowdppo": "flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
     "run_qwen_image_ocr_lora_mixgrpo": "mixgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_mixgrpo.sh",
+    "run_qwen_image_ocr_lora_rollout_corr": "flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_rollout_corr.sh",
 }
 
 # Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
@@ -177,6 +179,7 @@ def test_the_omniflow_command_reports_every_refused_key_in_one_error(local_paths
         ("run_qwen_image_ocr_lora_grpoguard", {"loss_mode": "grpo_guard", "clip_ratio": 2e-6, "adv_clip_max": 5.0}),
         ("run_qwen_image_ocr_lora_flowdppo", {"loss_mode": "flow_dppo", "kl_mask_threshold": 1e-5, "add_kl_coefficient": True}),
         ("run_qwen_image_ocr_lora_mixgrpo", {"loss_mode": "flow_grpo"}),
+        ("run_qwen_image_ocr_lora_rollout_corr", {"loss_mode": "flow_grpo"}),
     ],
 )
 def test_a_policy_gradient_family_recipe_selects_its_loss_by_the_same_keys(name, loss_keys, local_paths):
@@ -192,6 +195,10 @@ def test_a_policy_gradient_family_recipe_selects_its_loss_by_the_same_keys(name,
     loss = config.actor_rollout_ref.actor.diffusion_loss
     assert {key: getattr(loss, key) for key in loss_keys} == loss_keys
     assert config.actor_rollout_ref.rollout.algo.sde_type == "sde" and config.actor_rollout_ref.rollout.n == 16
+    if "rollout_corr" in name:  # verl's rollout correction, in bypass mode: the RS mask per SDE step
+        rc = config.algorithm.rollout_correction
+        assert (rc.bypass_mode, rc.rollout_is, rc.rollout_is_threshold) == (True, "sequence", 2.0)
+        assert (rc.rollout_rs, rc.rollout_rs_threshold) == ("seq_mean_k1", "0.5_2.0")
     if "mixgrpo" in name:  # MixGRPO: the sampling adapter and its window schedule
         algo = config.actor_rollout_ref.rollout.algo
         assert config.actor_rollout_ref.model.algorithm == "mix_grpo"

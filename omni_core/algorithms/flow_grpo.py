@@ -135,6 +135,7 @@ def policy_loss(
     *,
     clip_ratio: float,
     adv_clip_max: float,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip loss for one denoising step of a batch of trajectories.
 
@@ -145,6 +146,8 @@ def policy_loss(
         clip_ratio: epsilon of the trust region; tiny (1e-4) because log-probs are averaged over
             latent dims, so a ratio moves much less per update than a per-token LLM ratio.
         adv_clip_max: advantage clamp.
+        weights: ``[B]`` rollout correction's weights (detached), multiplied into each sample's term before the
+            mean; None: all 1.
 
     Returns:
         ``(loss, metrics)``: scalar fp32 loss, and detached scalar tensors
@@ -162,7 +165,8 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = torch.maximum(unclipped, clipped).mean()
+    per_sample = torch.maximum(unclipped, clipped)
+    loss = per_sample.mean() if weights is None else (per_sample * weights.detach().to(per_sample)).mean()
 
     with torch.no_grad():
         r = ratio.detach()

@@ -10,7 +10,8 @@ micro-batch. It never asks which algorithm is running. The idea follows verl-omn
 
 Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*latent`` = the latent's shape):
 
-    from the step's data            old_log_prob [b], advantages [b], pair_index [b],
+    from the step's data            old_log_prob [b], advantages [b], pair_index [b], rollout_weight [b] (rollout
+                                    correction's weight, multiplied into the per-sample loss; None when off),
                                     old_prev_sample_mean [b, *latent] (the old policy's transition means, from the same
                                     no-grad pass as the old log-probs)
     from the current policy         log_prob [b], prev_sample_mean [b, *latent], std_dev_t (scalar / [b] / broadcastable),
@@ -29,7 +30,16 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-__all__ = ["DATA_INPUTS", "LOSS_INPUTS", "REFERENCE_INPUTS", "LossInputs", "LossSettings", "PolicyLoss", "check_declared"]
+__all__ = [
+    "DATA_INPUTS",
+    "LOSS_INPUTS",
+    "OPTIONAL_INPUTS",
+    "REFERENCE_INPUTS",
+    "LossInputs",
+    "LossSettings",
+    "PolicyLoss",
+    "check_declared",
+]
 
 
 @dataclass
@@ -41,6 +51,7 @@ class LossInputs:
     advantages: Tensor | None = None
     pair_index: Tensor | None = None  # [b] long: the group each sample belongs to (its rows are adjacent)
     old_prev_sample_mean: Tensor | None = None
+    rollout_weight: Tensor | None = None  # [b]: rollout correction's IS x RS weight of each sample here; None: off
     prev_sample_mean: Tensor | None = None
     std_dev_t: Tensor | float | None = None
     velocity: Tensor | None = None
@@ -56,7 +67,9 @@ class LossInputs:
 
 LOSS_INPUTS = frozenset(f.name for f in fields(LossInputs))
 # The update loop's (from the step's data); the rest the step function's.
-DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index", "old_prev_sample_mean"})
+DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index", "old_prev_sample_mean", "rollout_weight"})
+# Declared inputs that may stay None: the loss then runs without them (rollout correction off).
+OPTIONAL_INPUTS = frozenset({"rollout_weight"})
 REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
 
 

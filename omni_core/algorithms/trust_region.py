@@ -51,8 +51,10 @@ def grpo_guard_loss(
     *,
     clip_ratio: float,
     adv_clip_max: float,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO-Guard's clipped objective of one denoising step (module docstring); returns (loss, metrics)."""
+    """GRPO-Guard's clipped objective of one denoising step (module docstring); returns (loss, metrics). `weights`:
+    rollout correction's per-sample weights (detached), multiplied into each term before the mean."""
     lp, old = log_prob.float(), old_log_prob.detach().float()
     adv = advantages.detach().float().clamp(-adv_clip_max, adv_clip_max)
     s = _as_float(sqrt_dt).to(lp.device).mean()
@@ -61,6 +63,8 @@ def grpo_guard_loss(
     log_ratio = lp - old
     ratio = torch.exp((log_ratio + bias) * scale)
     per_sample = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio))
+    if weights is not None:
+        per_sample = per_sample * weights.detach().to(per_sample)
     loss = per_sample.mean() / s.square()
     with torch.no_grad():
         metrics = {
@@ -86,8 +90,10 @@ def flow_dppo_loss(
     *,
     kl_mask_threshold: float,
     add_kl_coefficient: bool = True,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Flow-DPPO's KL-masked objective of one denoising step (module docstring); returns (loss, metrics)."""
+    """Flow-DPPO's KL-masked objective of one denoising step (module docstring); returns (loss, metrics). `weights`:
+    rollout correction's per-sample weights (detached), multiplied into each term before the mean."""
     lp, old, adv = log_prob.float(), old_log_prob.detach().float(), advantages.detach().float()
     log_ratio = lp - old
     ratio = torch.exp(log_ratio)
@@ -105,7 +111,10 @@ def flow_dppo_loss(
     high = kl >= kl_mask_threshold
     pos, neg = high & (ratio > 1.0) & (adv > 0), high & (ratio < 1.0) & (adv < 0)
     keep = ~(pos | neg)
-    loss = torch.where(keep, -adv * ratio, torch.zeros_like(ratio)).mean()
+    per_sample = torch.where(keep, -adv * ratio, torch.zeros_like(ratio))
+    if weights is not None:
+        per_sample = per_sample * weights.detach().to(per_sample)
+    loss = per_sample.mean()
     with torch.no_grad():
         metrics = {
             "pg_loss": loss.detach(),

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omni_core.algorithms.loss_contract import DATA_INPUTS, LossInputs, LossSettings, check_declared
+from omni_core.algorithms.loss_contract import DATA_INPUTS, OPTIONAL_INPUTS, LossInputs, LossSettings, check_declared
 from omni_core.algorithms.registry import get_policy_loss
+from omni_core.algorithms.rollout_correction import RolloutCorrection
 
 __all__ = [
     "NonFiniteTrainingError",
@@ -117,6 +118,7 @@ class PPOUpdateConfig:
     dp_rank: int = 0  # this process's data-parallel rank, of dp_size (trainer.n_gpus_per_node x trainer.nnodes)
     dp_size: int = 1
     loss_options: Mapping[str, Any] = field(default_factory=dict)
+    bypass_correction: RolloutCorrection | None = None  # bypass mode's rollout correction, per window step (RS only)
 
     def loss_settings(self) -> LossSettings:
         """The scalars the loss reads."""
@@ -205,12 +207,14 @@ def _loss_inputs(
         values["old_log_prob"] = micro["old_log_probs"][:, j].to(device)
     if "old_prev_sample_mean" in needs:
         values["old_prev_sample_mean"] = micro["old_prev_sample_means"][:, j].to(device)
+    if "rollout_weight" in needs:  # decoupled rollout correction's weights [B, W] (None: off, or bypass mode's below)
+        values["rollout_weight"] = micro["rollout_weights"][:, j].to(device) if "rollout_weights" in micro else None
     if "advantages" in needs:
         adv = micro["advantages"]
         values["advantages"] = (adv[:, j] if adv.dim() == 2 else adv).to(device)
     if "pair_index" in needs:
         values["pair_index"] = (idx // group).to(device)
-    missing = sorted(key for key, value in values.items() if value is None)
+    missing = sorted(key for key, value in values.items() if value is None and key not in OPTIONAL_INPUTS)
     if missing:
         raise ValueError(
             f"loss {name!r} needs {missing} but step_fn returned none; compute them in the step function (a KL term's "
@@ -323,6 +327,7 @@ def ppo_update(
     n_terms = 0
     grad_norms: list[float] = []
     skipped = 0
+    corr_sums: dict[str, float] = {}
     model.train()
     optimizer.zero_grad(set_to_none=True)
     for share in shares:
@@ -334,7 +339,14 @@ def ppo_update(
                 sync = contextlib.nullcontext() if last or no_grad_sync is None else no_grad_sync()
                 with sync:
                     out = step_fn(micro, j)
-                    loss, metrics = loss_fn(_loss_inputs(cfg.loss_mode, needs, out, micro, micro_idx, j, group), settings)
+                    inputs = _loss_inputs(cfg.loss_mode, needs, out, micro, micro_idx, j, group)
+                    if cfg.bypass_correction is not None and "rollout_weight" in needs:
+                        rollout_j = micro["old_log_probs"][:, j].to(out.log_prob.device)  # bypass: old == rollout
+                        weight, corr = cfg.bypass_correction.bypass(out.log_prob.detach().float(), rollout_j.float())
+                        inputs.rollout_weight = weight
+                        for key, value in corr.items():
+                            corr_sums[key] = corr_sums.get(key, 0.0) + value
+                    loss, metrics = loss_fn(inputs, settings)
                     scaled = loss * scale
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                     # Kept as tensors: a float() per step would sync the device every step.
@@ -353,6 +365,7 @@ def ppo_update(
         lr_scheduler.step()
 
     result = {f"actor/{key}": float(value) / max(n_terms, 1) for key, value in sums.items()}
+    result.update({f"actor/rollout_corr/{key}": value / max(n_terms, 1) for key, value in corr_sums.items()})
     result["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     result["actor/lr"] = lr
     result["actor/skipped_optimizer_steps"] = float(skipped)

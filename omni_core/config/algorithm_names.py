@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["ADV_ESTIMATOR_NAMES", "LOSSES", "LOSS_MODE_NAMES", "MODEL_ALGORITHM_NAMES", "LossEntry", "OptionType"]
+__all__ = [
+    "ADV_ESTIMATOR_NAMES",
+    "LOSSES",
+    "LOSS_MODE_NAMES",
+    "MODEL_ALGORITHM_NAMES",
+    "ROLLOUT_RS_OPTIONS",
+    "LossEntry",
+    "OptionType",
+]
 
 # The types a loss's own key may have (the schema maps each to its pydantic type).
 OptionType = Literal["positive_float", "non_negative_float", "positive_int", "bool"]
@@ -50,3 +58,18 @@ LOSSES: dict[str, LossEntry] = {
     ),
 }
 LOSS_MODE_NAMES = tuple(LOSSES)
+
+# algorithm.rollout_correction.rollout_rs options (verl's rejection-sampling statistics; omni_core.algorithms.rollout_correction).
+ROLLOUT_RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)

@@ -313,6 +313,11 @@ _rc = _Section("algorithm.rollout_correction")
 
 class RolloutCorrectionConfig(ConfigModel):
     bypass_mode: bool = _rc("bypass_mode")
+    rollout_is: Literal["token", "sequence"] | None = _rc("rollout_is")
+    rollout_is_threshold: float | str = _rc("rollout_is_threshold")
+    rollout_is_batch_normalize: bool = _rc("rollout_is_batch_normalize")
+    rollout_rs: str | None = _rc("rollout_rs")
+    rollout_rs_threshold: float | str | None = _rc("rollout_rs_threshold")
 
 
 _al = _Section("algorithm")

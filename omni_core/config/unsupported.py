@@ -110,13 +110,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "global_profiler": _PROFILER,
     "distillation": "distillation is not implemented in OmniFlow; remove this section.",
     "algorithm.use_kl_in_reward": "KL is a loss term in OmniFlow (actor.use_kl_loss), never a reward term.",
-    **{
-        f"algorithm.rollout_correction.{k}": (
-            "importance-sampling / rejection-sampling rollout correction is not implemented; OmniFlow recomputes "
-            "the old log-probs (or uses the rollout's with algorithm.rollout_correction.bypass_mode=true). Remove this key."
-        )
-        for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "rollout_is_batch_normalize")
-    },
     "transfer_queue.backend.MooncakeStore": "OmniFlow uses TransferQueue's SimpleStorage backend only.",
 }
 

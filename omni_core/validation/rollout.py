@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
+from omni_core.config.algorithm_names import ROLLOUT_RS_OPTIONS
 
 
 def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
@@ -38,6 +39,7 @@ def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 )
             )
     p += _mix_grpo_problems(config)
+    p += _rollout_correction_problems(config)
     # pipeline.guidance_scale / true_cfg_scale per architecture: the `guidance` group.
     if config.algorithm.rollout_correction.bypass_mode and not rollout.calculate_log_probs:
         p.append(
@@ -93,4 +95,68 @@ def _mix_grpo_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                         None,
                     )
                 )
+    return p
+
+
+def _threshold_problem(key: str, spec: object, lower_allowed: bool) -> str | None:
+    """Why a threshold "U" / "L_U" (0 < L <= U) is malformed, or None."""
+    lower_text, _, upper_text = str(spec).strip().rpartition("_")
+    try:
+        upper, lower = float(upper_text), float(lower_text) if lower_text else None
+    except ValueError:
+        return f"{key}={spec!r} is not a number U or a pair L_U"
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        return f"{key}={spec!r} must be U > 0 or L_U with 0 < L <= U"
+    if lower is not None and not lower_allowed:
+        return f"{key}={spec!r}: only k1 options take a pair L_U; give one bound U"
+    return None
+
+
+def _rollout_correction_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """verl's rollout-correction keys: IS level and bound, RS options and bounds; both need the rollout's log-probs."""
+    p: list[ConfigProblem] = []
+    rc = config.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    if (rc.rollout_is or rc.rollout_rs) and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        p.append(
+            ConfigProblem(
+                f"{key}.{'rollout_is' if rc.rollout_is else 'rollout_rs'}",
+                "compares the training policy with the rollout's log-probs; set actor_rollout_ref.rollout.calculate_log_probs=true",
+                rc.rollout_is or rc.rollout_rs,
+            )
+        )
+    if rc.rollout_is and (why := _threshold_problem(f"{key}.rollout_is_threshold", rc.rollout_is_threshold, True)):
+        p.append(ConfigProblem(f"{key}.rollout_is_threshold", why, rc.rollout_is_threshold))
+    if not rc.rollout_rs:
+        if rc.rollout_rs_threshold is not None:
+            p.append(
+                ConfigProblem(f"{key}.rollout_rs_threshold", "is read only with rollout_rs set; drop it", rc.rollout_rs_threshold)
+            )
+        return p
+    options = [o.strip() for o in rc.rollout_rs.split(",") if o.strip()]
+    unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+    if not options or unknown:
+        p.append(
+            ConfigProblem(
+                f"{key}.rollout_rs", f"unknown option(s) {unknown}; choose from {', '.join(ROLLOUT_RS_OPTIONS)}", rc.rollout_rs
+            )
+        )
+        return p
+    if rc.rollout_rs_threshold is None:
+        p.append(ConfigProblem(f"{key}.rollout_rs_threshold", f"must be set with rollout_rs={rc.rollout_rs}", None))
+        return p
+    specs = [s for s in str(rc.rollout_rs_threshold).split(",") if s.strip()]
+    if len(specs) not in (1, len(options)):
+        p.append(
+            ConfigProblem(
+                f"{key}.rollout_rs_threshold",
+                f"give one threshold, or one per option of rollout_rs ({len(options)})",
+                rc.rollout_rs_threshold,
+            )
+        )
+        return p
+    for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs, strict=True):
+        if why := _threshold_problem(f"{key}.rollout_rs_threshold", spec, lower_allowed=option.endswith("k1")):
+            p.append(ConfigProblem(f"{key}.rollout_rs_threshold", why, rc.rollout_rs_threshold))
+            break
     return p

@@ -26,6 +26,7 @@ import torch
 from omni_core.algorithms.ema import WeightsEMA
 from omni_core.algorithms.loss_contract import REFERENCE_INPUTS, check_declared
 from omni_core.algorithms.registry import get_policy_loss
+from omni_core.algorithms.rollout_correction import RolloutCorrection
 from omni_core.algorithms.update import (
     NonFiniteTrainingError,
     PPOUpdateConfig,
@@ -89,8 +90,15 @@ class PolicyTrainer:
         self.text_encoders = text_encoders
         self.rank, self.world_size = rank, world_size
         self.loss = get_policy_loss(config.actor_rollout_ref.actor.diffusion_loss.loss_mode)
+        self.correction: RolloutCorrection | None = None  # set below, once the loss's inputs are known
         # What the active loss reads (the update computes nothing else; the reference pass runs only if declared).
         self.needs = check_declared(self.update_config(0).loss_mode, self.loss, self.update_config(0).loss_settings())
+        rc = config.algorithm.rollout_correction
+        correction = RolloutCorrection(
+            rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold
+        )
+        # verl's rollout correction: decoupled (weights from the old pass, once per update) or bypass mode (per step).
+        self.correction = correction if correction.enabled and "rollout_weight" in self.needs else None
         self.ddp: torch.nn.Module | None = None  # DistributedDataParallel over the transformer (the group's owner sets it)
         self.sharded = False  # the transformer is FSDP2-sharded
         self.gather: Gather | None = None  # all-gather by sample (set with several ranks)
@@ -201,6 +209,7 @@ class PolicyTrainer:
             dp_rank=self.rank,
             dp_size=self.world_size,
             loss_options=actor.diffusion_loss.model_dump(),
+            bypass_correction=self.correction if self.config.algorithm.rollout_correction.bypass_mode else None,
         )
 
     def score(self, traj: Trajectory, j: int, use_reference: bool = False) -> TransitionScore:
@@ -322,6 +331,12 @@ class PolicyTrainer:
             batch["old_log_probs"] = self.by_sample(own, old_own.float(), batch_size)
             if means is not None:
                 batch["old_prev_sample_means"] = self.by_sample(own, means["old_prev_sample_mean"], batch_size)
+            if self.correction is not None and not bypass:  # decoupled: old (recomputed) against the rollout's
+                rollout = self.by_sample(own, part.log_probs.float(), batch_size)
+                weights, corrected = self.correction.decoupled(batch["old_log_probs"], rollout)
+                if weights is not None:
+                    batch["rollout_weights"] = weights
+                drift.update({f"rollout_corr/{key}": value for key, value in corrected.items()})
         else:
             batch["window"] = traj.window_size
         refs = {key: self.by_sample(own, value, batch_size) for key, value in self.reference_predictions(part).items()}

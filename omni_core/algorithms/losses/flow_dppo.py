@@ -19,7 +19,18 @@ from omni_core.algorithms.trust_region import flow_dppo_loss
 
 __all__ = ["LOSS", "FlowDPPOLoss"]
 
-NEEDS = frozenset({"log_prob", "old_log_prob", "advantages", "prev_sample_mean", "old_prev_sample_mean", "std_dev_t", "sqrt_dt"})
+NEEDS = frozenset(
+    {
+        "log_prob",
+        "old_log_prob",
+        "advantages",
+        "prev_sample_mean",
+        "old_prev_sample_mean",
+        "std_dev_t",
+        "sqrt_dt",
+        "rollout_weight",
+    }
+)
 
 
 class FlowDPPOLoss:
@@ -42,6 +53,7 @@ class FlowDPPOLoss:
             x.sqrt_dt,
             kl_mask_threshold=float(settings.options["kl_mask_threshold"]),
             add_kl_coefficient=bool(settings.options["add_kl_coefficient"]),
+            weights=x.rollout_weight,
         )
         return with_kl_penalty(loss, metrics, x, settings), metrics
 

@@ -53,12 +53,17 @@ class FlowGRPOLoss:
     group_size = 1
 
     def inputs(self, settings: LossSettings) -> frozenset[str]:
-        return frozenset({"log_prob", "old_log_prob", "advantages"}) | kl_inputs(settings)
+        return frozenset({"log_prob", "old_log_prob", "advantages", "rollout_weight"}) | kl_inputs(settings)
 
     def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
         assert x.log_prob is not None and x.old_log_prob is not None and x.advantages is not None
         loss, metrics = policy_loss(
-            x.log_prob, x.old_log_prob, x.advantages, clip_ratio=settings.clip_ratio, adv_clip_max=settings.adv_clip_max
+            x.log_prob,
+            x.old_log_prob,
+            x.advantages,
+            clip_ratio=settings.clip_ratio,
+            adv_clip_max=settings.adv_clip_max,
+            weights=x.rollout_weight,
         )
         return with_kl_penalty(loss, metrics, x, settings), metrics
 

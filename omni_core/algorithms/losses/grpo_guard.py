@@ -16,7 +16,18 @@ from omni_core.algorithms.trust_region import grpo_guard_loss
 
 __all__ = ["LOSS", "GRPOGuardLoss"]
 
-NEEDS = frozenset({"log_prob", "old_log_prob", "advantages", "prev_sample_mean", "old_prev_sample_mean", "std_dev_t", "sqrt_dt"})
+NEEDS = frozenset(
+    {
+        "log_prob",
+        "old_log_prob",
+        "advantages",
+        "prev_sample_mean",
+        "old_prev_sample_mean",
+        "std_dev_t",
+        "sqrt_dt",
+        "rollout_weight",
+    }
+)
 
 
 class GRPOGuardLoss:
@@ -39,6 +50,7 @@ class GRPOGuardLoss:
             x.sqrt_dt,
             clip_ratio=settings.clip_ratio,
             adv_clip_max=settings.adv_clip_max,
+            weights=x.rollout_weight,
         )
         return with_kl_penalty(loss, metrics, x, settings), metrics
 
