@@ -15,42 +15,21 @@ from torch import Tensor
 
 from omni_core.algorithms.loss_contract import LossInputs, LossSettings
 from omni_core.algorithms.losses.flow_grpo import kl_inputs, with_kl_penalty
+from omni_core.algorithms.losses.grpo_guard import NEEDS, transition_args
 from omni_core.algorithms.trust_region import flow_dppo_loss
 
 __all__ = ["LOSS", "FlowDPPOLoss"]
-
-NEEDS = frozenset(
-    {
-        "log_prob",
-        "old_log_prob",
-        "advantages",
-        "prev_sample_mean",
-        "old_prev_sample_mean",
-        "std_dev_t",
-        "sqrt_dt",
-        "rollout_weight",
-    }
-)
 
 
 class FlowDPPOLoss:
     group_size = 1
 
     def inputs(self, settings: LossSettings) -> frozenset[str]:
-        return NEEDS | kl_inputs(settings)
+        return NEEDS | kl_inputs(settings)  # GRPO-Guard's inputs: the same transitions
 
     def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
-        assert x.log_prob is not None and x.old_log_prob is not None and x.advantages is not None
-        assert x.prev_sample_mean is not None and x.old_prev_sample_mean is not None
-        assert x.std_dev_t is not None and x.sqrt_dt is not None
         loss, metrics = flow_dppo_loss(
-            x.log_prob,
-            x.old_log_prob,
-            x.advantages,
-            x.prev_sample_mean,
-            x.old_prev_sample_mean,
-            x.std_dev_t,
-            x.sqrt_dt,
+            *transition_args(x),
             kl_mask_threshold=float(settings.options["kl_mask_threshold"]),
             add_kl_coefficient=bool(settings.options["add_kl_coefficient"]),
             weights=x.rollout_weight,

@@ -14,7 +14,7 @@ from omni_core.algorithms.loss_contract import LossInputs, LossSettings
 from omni_core.algorithms.losses.flow_grpo import kl_inputs, with_kl_penalty
 from omni_core.algorithms.trust_region import grpo_guard_loss
 
-__all__ = ["LOSS", "GRPOGuardLoss"]
+__all__ = ["LOSS", "NEEDS", "GRPOGuardLoss", "transition_args"]
 
 NEEDS = frozenset(
     {
@@ -30,6 +30,14 @@ NEEDS = frozenset(
 )
 
 
+def transition_args(x: LossInputs) -> tuple[Tensor, ...]:
+    """The inputs of a loss over the current and the old transition (GRPO-Guard, Flow-DPPO), in their functions'
+    order: log-probs, old log-probs, advantages, means, old means, std_dev_t, sqrt_dt."""
+    args = (x.log_prob, x.old_log_prob, x.advantages, x.prev_sample_mean, x.old_prev_sample_mean, x.std_dev_t, x.sqrt_dt)
+    assert all(a is not None for a in args), "the update loop fills every declared input"
+    return args  # type: ignore[return-value]
+
+
 class GRPOGuardLoss:
     group_size = 1
 
@@ -37,17 +45,8 @@ class GRPOGuardLoss:
         return NEEDS | kl_inputs(settings)
 
     def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
-        assert x.log_prob is not None and x.old_log_prob is not None and x.advantages is not None
-        assert x.prev_sample_mean is not None and x.old_prev_sample_mean is not None
-        assert x.std_dev_t is not None and x.sqrt_dt is not None
         loss, metrics = grpo_guard_loss(
-            x.log_prob,
-            x.old_log_prob,
-            x.advantages,
-            x.prev_sample_mean,
-            x.old_prev_sample_mean,
-            x.std_dev_t,
-            x.sqrt_dt,
+            *transition_args(x),
             clip_ratio=settings.clip_ratio,
             adv_clip_max=settings.adv_clip_max,
             weights=x.rollout_weight,
