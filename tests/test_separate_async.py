@@ -113,7 +113,9 @@ def test_a_checkpoint_records_the_groups_sampled_ahead(async_runs):
         record = torch.load(folder / "rollout_queue.pt", weights_only=True)
         assert len(record["prompts"]) == groups
         for uid, tag in record["prompts"].items():
-            assert (tag["status"], tag["global_steps"], tag["model_version"]) == ("finished", step + 1, step - 1), (uid, tag)
+            # Step k+1's group (uid 00000<k+1>-...), submitted at step k (verl's `global_steps` tag) with version k - 1.
+            assert uid.startswith(f"{step + 1:06d}-"), uid
+            assert (tag["status"], tag["global_steps"], tag["model_version"]) == ("finished", step, step - 1), (uid, tag)
         assert {t["model_version"] for t in record["trajectory_tags"].values()} == ({step - 1} if groups else set())
         assert len(record["trajectory_tags"]) == 4 * groups  # rollout.n samples of the group
 
