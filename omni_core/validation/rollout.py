@@ -53,10 +53,11 @@ def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
 
 
 # MixGRPO's window keys, their defaults (as verl-omni's) and what reads each (omni_core.rollout.mix_windows).
+# MixGRPO's window keys: their defaults (verl-omni's) and the settings that read each (omni_core.rollout.mix_windows).
 MIX_KEYS = {
-    "sample_strategy": ("random", "MixGRPO"),
-    "iters_per_group": (1, "MixGRPO's progressive strategy"),
-    "sde_window_seed": (0, "MixGRPO's random strategy"),
+    "sample_strategy": ("random", "model.algorithm=mix_grpo"),
+    "iters_per_group": (1, "model.algorithm=mix_grpo with sample_strategy=progressive"),
+    "sde_window_seed": (0, "model.algorithm=mix_grpo with sample_strategy=random"),
 }
 
 
@@ -73,14 +74,9 @@ def _mix_grpo_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             p.append(
                 ConfigProblem(
                     f"actor_rollout_ref.rollout.algo.{key}",
-                    f"is read only by {reader} (actor_rollout_ref.model.algorithm=mix_grpo"
-                    + (
-                        ""
-                        if key == "sample_strategy"
-                        else f", sample_strategy={'progressive' if key == 'iters_per_group' else 'random'}"
-                    )
-                    + f"); this run has model.algorithm={config.actor_rollout_ref.model.algorithm}, "
-                    f"sample_strategy={algo.sample_strategy}. Drop the key or select what reads it",
+                    f"is read only by MixGRPO's window schedule ({reader}); this run has model.algorithm="
+                    f"{config.actor_rollout_ref.model.algorithm}, sample_strategy={algo.sample_strategy}. Drop the key "
+                    "or select what reads it",
                     value,
                 )
             )
