@@ -252,3 +252,52 @@ def test_the_ahead_feed_checkpoints_its_queue_and_trains_it_oldest_first_within_
         assert resumed.dataloader.state_dict()["position"] == 0  # no prompt was put
     finally:
         tqc.clear_partition(partition)
+
+
+@pytest.mark.timeout(300)
+def test_two_feeds_groups_at_one_position_train_as_two_groups(transfer_queue, flow_overrides, tmp_path):
+    """train_batch_size=2, two feeds in flight: step 3's batch (put at step 2) and step 4's (put at step 3) both number
+    their prompts from 0, so the groups at position 1 of each carry the same `prompt_index`. The replay buffer hands
+    both to step 3 (the oldest ready first, both within the span bound of 2); their advantages are each group's own
+    (hand values), where grouping by the stored position would merge them into one group."""
+    import torch
+
+    from omni_core.tq import client as tqc
+    from omni_core.trainers.base import prompt_groups, step_advantages
+
+    overrides = [*flow_overrides, *ASYNC, "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    trainer = _trainer(overrides, "two-feeds", tmp_path)
+    partition, n = trainer.run.train_partition, trainer.config.actor_rollout_ref.rollout.n
+    tqc.clear_partition(partition)
+    rewards = {"000003-0001": [1.0, 3.0, 1.0, 3.0], "000004-0001": [10.0, 14.0, 10.0, 14.0]}  # means 2 and 12
+    try:
+        for submitted, (uid, values) in enumerate(rewards.items(), start=2):
+            tqc.put_prompts(partition, [uid], submitted, model_version=submitted - 1)
+            tqc.set_prompt_status(partition, [uid], tqc.FINISHED)
+            fields = {
+                "rewards": torch.tensor(values),
+                "failed": torch.zeros(n, dtype=torch.bool),
+                "prompt_index": torch.ones(n, dtype=torch.long),  # position 1 in its own request
+            }
+            tags = [{"status": tqc.SUCCESS, "global_steps": submitted, "model_version": submitted - 1}] * n
+            tqc.put_trajectories(partition, [tqc.trajectory_key(uid, s) for s in range(n)], fields, tags)
+        trainer.feed.schedule.load(queue_record.FeedState(next_feed=6, weights_version=2, refills=0, groups=0))
+        batch = trainer.feed.sample(3)
+        assert batch.prompt_uids == list(rewards)
+        rows = tqc.get_trajectories(partition, batch.trajectory_keys, select_fields=["rewards", "failed", "prompt_index"])
+        assert rows["prompt_index"].tolist() == [1] * (2 * n)  # one group, were it grouped by position
+        got = step_advantages(
+            trainer.config.algorithm, rows["rewards"].float(), rows["failed"].bool(), prompt_groups(batch.trajectory_keys)
+        )
+        flat = [r for values in rewards.values() for r in values]
+        mean = sum(flat) / len(flat)
+        std = (sum((r - mean) ** 2 for r in flat) / (len(flat) - 1)) ** 0.5
+        expected = [(r - 2.0) / (std + 1e-4) for r in rewards["000003-0001"]]
+        expected += [(r - 12.0) / (std + 1e-4) for r in rewards["000004-0001"]]
+        assert got.tolist() == pytest.approx(expected, rel=1e-6)
+        by_position = step_advantages(
+            trainer.config.algorithm, rows["rewards"].float(), rows["failed"].bool(), rows["prompt_index"]
+        )
+        assert not torch.allclose(got, by_position)
+    finally:
+        tqc.clear_partition(partition)
