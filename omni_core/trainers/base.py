@@ -14,7 +14,9 @@ rows and continues. One step (sync mode) follows docs/design.md section 1:
   the rollout side -> validation -> metrics -> clear the step's rows.
 
 A trainer mode (`modes.py`) is its rollout feed (`rollout_feed.py`): how the step's batch is sampled, when the
-rollout side gets new weights, and what a checkpoint keeps of the queue; the steps above call it. The
+rollout side gets new weights, and what a checkpoint keeps of the queue; the steps above call it. A separate_async
+step runs the sampling-to-update part `parameter_sync_step` times (the feed's `local_updates`, verl-omni's local
+updates), each on its share of the step's prompt groups. The
 controller's log lines go to `log_callback` as they happen (the Prefect layer forwards them to the run's log; omni_core knows nothing of Prefect), and
 `close()` stops the run's actors and clears its TransferQueue rows.
 """
