@@ -16,39 +16,17 @@ whose file was deleted runs again. The result Prefect stores is that path, as JS
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import ray
 from omniflow.tasks.cache_keys import cached_file, file_backed_key
 from prefect import get_run_logger, task
 
-from omni_core.cache_keys import key_of
 from omni_core.config.schema import ActorRolloutRefConfig
 from omni_core.data.prompts import PromptRecord
-from omni_core.models.hub import model_folder
-from omni_core.models.prompt_embeddings import encode_prompt_set, text_encoder_fingerprint, unique_prompts
+from omni_core.models.prompt_embeddings import embeddings_key, encode_prompt_set, prompt_set
 
 ENCODE_TIMEOUT_S = 4 * 3600  # a bounded wait on the Ray task (T5-XXL: ~20 ms per prompt on a GPU)
-
-
-def prompt_set(train: list[PromptRecord], val: list[PromptRecord]) -> list[str]:
-    """Every text the run encodes: prompts and negative prompts of both splits, plus "" (sorted, unique)."""
-    return unique_prompts([t for r in (*train, *val) for t in (r.prompt, r.negative_prompt or "")])
-
-
-def embeddings_key(actor_rollout_ref: ActorRolloutRefConfig, device: str, prompts: list[str]) -> str:
-    model = actor_rollout_ref.model
-    fields = {
-        # the resolved folder's files (a Hub id: its revision's snapshot), hashed once per process (memoised by size + mtime)
-        "text_encoders": text_encoder_fingerprint(model_folder(model)),
-        "architecture": model.architecture,
-        "max_sequence_length": actor_rollout_ref.rollout.pipeline.max_sequence_length,
-        "device": device,
-        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-    }
-    return key_of("prompt-embeddings", [], fields)
 
 
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:

@@ -196,7 +196,7 @@ def test_the_tokenizer_cache_key_follows_the_resolved_snapshot(offline_cache):
 def test_the_prompt_embeddings_key_follows_the_resolved_snapshots_text_encoders(offline_cache, tiny_sd3_dir):
     """Keyed on the text-encoder files of the snapshot the id resolves to: the same as the local folder's for main,
     another for v2 (whose text encoders have other weights)."""
-    from omniflow.tasks.prepare_prompt_embeddings import embeddings_key
+    from omni_core.models.prompt_embeddings import embeddings_key
 
     def key(*overrides: str) -> str:
         return embeddings_key(load_config(overrides=list(overrides)).actor_rollout_ref, "cpu", ["", "a cat"])

@@ -23,13 +23,15 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from omni_core.models.hub import resolve_model_path
+from omni_core.cache_keys import key_of
+from omni_core.data.prompts import PromptRecord
+from omni_core.models.hub import model_folder, resolve_model_path
 from omni_core.models.model_index import read_model_index
 
 if TYPE_CHECKING:
@@ -95,6 +97,26 @@ def text_encoder_fingerprint(model_path: str | Path) -> str:
 def unique_prompts(prompts: Sequence[str]) -> list[str]:
     """The sorted unique texts of ``prompts`` plus ``""`` (the default CFG negative)."""
     return sorted({*prompts, ""})
+
+
+def prompt_set(train: Sequence[PromptRecord], val: Sequence[PromptRecord]) -> list[str]:
+    """Every text a run encodes: prompts and negative prompts of both splits, plus "" (sorted, unique)."""
+    return unique_prompts([t for r in (*train, *val) for t in (r.prompt, r.negative_prompt or "")])
+
+
+def embeddings_key(actor_rollout_ref: Any, device: str, prompts: list[str]) -> str:
+    """The cache key of a run's prompt embeddings (`actor_rollout_ref`: that config section): the text encoders'
+    files, the architecture, the token length, the device and the prompt set."""
+    model = actor_rollout_ref.model
+    fields = {
+        # the resolved folder's files (a Hub id: its revision's snapshot), hashed once per process (memoised by size + mtime)
+        "text_encoders": text_encoder_fingerprint(model_folder(model)),
+        "architecture": model.architecture,
+        "max_sequence_length": actor_rollout_ref.rollout.pipeline.max_sequence_length,
+        "device": device,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+    }
+    return key_of("prompt-embeddings", [], fields)
 
 
 def _text_only_adapter(model_path: Path, architecture: str | None, device: str, torch_dtype: torch.dtype) -> ArchAdapter:
