@@ -337,12 +337,15 @@ def separate_workers_run(prefect_api, ray_cluster, transfer_queue, flow_override
 
 @pytest.fixture(scope="session")
 def two_rank_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
-    """The uninterrupted in-process run of the lean config on two ranks: (final state, checkpoint dir)."""
-    from flow_utils import TWO_RANKS
+    """The uninterrupted in-process run of the lean config on two fsdp2 ranks: (final state, checkpoint dir). It serves
+    test_data_parallel's flow tests: two ranks against one, a rank killed mid-step, and the fsdp2 checkpoints' resume
+    (its uninterrupted run). ddp's flow runs are the mid-epoch ones (flow_utils.MID_EPOCH)."""
+    from flow_utils import TWO_FSDP2_RANKS
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     ckpt = tmp_path_factory.mktemp("two_ranks") / "ckpt"
-    state = main_diffusion_v1(overrides=[*flow_overrides, *TWO_RANKS, f"trainer.default_local_dir={ckpt}"], return_state=True)
+    overrides = [*flow_overrides, *TWO_FSDP2_RANKS, f"trainer.default_local_dir={ckpt}"]
+    state = main_diffusion_v1(overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
     return state, ckpt
 

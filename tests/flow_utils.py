@@ -21,6 +21,8 @@ SMALL_ACTOR_STEP = [
 ]
 # The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
+# ... sharded instead (actor.strategy=fsdp2): the session's two-rank flow reference (conftest.two_rank_reference).
+TWO_FSDP2_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=fsdp2"]
 # ... with epochs of two steps (one prompt x 4 samples each, 2 per rank) and a checkpoint after every step: steps 1 and 3
 # are saved inside an epoch, 2 and 4 at its end (cosine lr x 1, 0.85, 0.5, 0.15; retention keeps the last 3 checkpoints).
 MID_EPOCH = [

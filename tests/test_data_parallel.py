@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flow_utils import TWO_RANKS
+from flow_utils import TWO_FSDP2_RANKS
 
 from omni_core.config import load_config
 from omni_core.models.placement import rollout_policy_kwargs
@@ -131,16 +131,16 @@ def test_a_two_rank_flow_run_trains_what_one_rank_trains(two_rank_reference, flo
 def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_with_the_fault_free_weights(
     two_rank_reference, flow_overrides, tmp_path
 ):
-    """SIGKILL training rank 1 (pid from Ray's state API) while it runs epoch 2's training step, rank 0 waiting
-    for it in a gradient all-reduce: the step fails on both ranks, Ray restarts rank 1, the retried epoch resets
-    it to the epoch's checkpoint and forms the ranks' group again, and the run ends with the uninterrupted
-    two-rank run's weights, bit for bit."""
+    """SIGKILL training rank 1 of two fsdp2 ranks (pid from Ray's state API) while it runs epoch 2's training step,
+    rank 0 waiting for it in a collective (fsdp2's all-gather of parameters, reduce-scatter of gradients): the step
+    fails on both ranks, Ray restarts rank 1, the retried epoch resets both to the epoch's checkpoint (its shards)
+    and forms the ranks' group again, and the run ends with the uninterrupted two-rank run's weights, bit for bit."""
     import ray
     from flow_utils import assert_same_weights, final_weights, run_with_kill
     from ray.util.state import list_actors, list_tasks
 
     ckpt = tmp_path / "ckpt"
-    overrides = [*flow_overrides, *TWO_RANKS]
+    overrides = [*flow_overrides, *TWO_FSDP2_RANKS]
     state, killed = run_with_kill(overrides, ckpt, "rankkill", "training-actor-rank1", "TrainingActor", "train_step")
     assert killed, "training rank 1 was not seen running a training step"
     assert state.is_completed(), state.message
@@ -159,7 +159,7 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_with_the_fault_fre
 
 
 def test_fsdp2_checkpoints_hold_shards_and_a_whole_model_and_resume_bitwise_or_on_another_rank_count(
-    flow_reference, flow_overrides, tmp_path
+    flow_reference, two_rank_reference, flow_overrides, tmp_path
 ):
     """Two fsdp2 ranks train epoch 1 and checkpoint it: `actor/dcp/` holds one shard file per rank (torch.distributed
     .checkpoint), rank 0 also writes today's consolidated `model.safetensors` and a diffusers export that plain
@@ -179,8 +179,8 @@ def test_fsdp2_checkpoints_hold_shards_and_a_whole_model_and_resume_bitwise_or_o
         assert state.is_completed(), state.message
         return state
 
-    ckpt, resharded, uninterrupted = tmp_path / "ckpt", tmp_path / "resharded", tmp_path / "uninterrupted"
-    run(uninterrupted, "trainer.n_gpus_per_node=2")
+    # The uninterrupted two-rank fsdp2 run is the session's (conftest.two_rank_reference: the same config).
+    ckpt, resharded, uninterrupted = tmp_path / "ckpt", tmp_path / "resharded", two_rank_reference[1]
     run(ckpt, "trainer.n_gpus_per_node=2", "trainer.total_epochs=1")
     actor = ckpt / "global_step_1" / "actor"
     shards = sorted(p.name for p in (actor / "dcp").iterdir())
