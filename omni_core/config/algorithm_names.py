@@ -18,6 +18,7 @@ __all__ = [
     "LOSS_MODE_NAMES",
     "MODEL_ALGORITHM_NAMES",
     "ROLLOUT_RS_OPTIONS",
+    "REFUSED_ROLLOUT_RS_OPTIONS",
     "LossEntry",
     "OptionType",
 ]
@@ -73,3 +74,12 @@ ROLLOUT_RS_OPTIONS = (
     "seq_max_k2",
     "seq_max_k3",
 )
+# verl's options that are refused, with the reason (validation/rollout.py names it).
+REFUSED_ROLLOUT_RS_OPTIONS = {
+    "binary_kl": (
+        "verl's KPop filter reads exp(log-prob) as a token's probability in (0, 1) and compares Bernoulli "
+        "distributions; a diffusion step's log-prob is a Gaussian log-density, whose exp is no probability (it often "
+        "exceeds 1, and clamping it below 1 makes the filter keep or reject by the clamp alone); use token_k2 or "
+        "token_k3 (the step's own divergence) or a seq_* option"
+    ),
+}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.config.algorithm_names import ROLLOUT_RS_OPTIONS
+from omni_core.config.algorithm_names import REFUSED_ROLLOUT_RS_OPTIONS, ROLLOUT_RS_OPTIONS
 
 
 def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
@@ -130,6 +130,13 @@ def _rollout_correction_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             )
         return p
     options = [o.strip() for o in rc.rollout_rs.split(",") if o.strip()]
+    refused = [o for o in options if o in REFUSED_ROLLOUT_RS_OPTIONS]
+    if refused:
+        p.extend(
+            ConfigProblem(f"{key}.rollout_rs", f"{o} is not supported: {REFUSED_ROLLOUT_RS_OPTIONS[o]}", rc.rollout_rs)
+            for o in refused
+        )
+        return p
     unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
     if not options or unknown:
         p.append(
