@@ -175,3 +175,44 @@ def test_mixgrpo_progressive_windows_slide_by_their_size_every_iters_per_group_s
     params = _mix_params("progressive", iters_per_group=2)
     starts = [params.generate_kwargs(step)["sde_window_range"] for step in range(1, 8)]
     assert starts == [(0, 2), (2, 4), (2, 4), (3, 5), (3, 5), (3, 5), (3, 5)]
+
+
+def test_init_same_noise_starts_every_sample_of_a_group_from_the_groups_noise(sd3_policy):
+    """DanceGRPO's init_same_noise: the samples of a prompt group start from one initial noise, drawn from the seed
+    derive_sample_seed(seed, step, prompt index, -1) whichever call samples them; the SDE noise still tells them
+    apart. Without it each sample starts from its own seed's noise."""
+    full = dict(sde_window_size=None, sde_window_range=None)  # the window starts at sigma = 1: latents[:, 0] is the noise
+    same = _generate(sd3_policy, n=3, init_same_noise=True, **full)
+    group_seeds = [derive_sample_seed(7, 3, p, -1) for p in (0, 1)]
+    expected = sd3_policy.prepare_latents(
+        6, SIZE, SIZE, [torch.Generator().manual_seed(s) for s in group_seeds for _ in range(3)]
+    )
+    assert torch.equal(same.latents[:, 0], expected)
+    assert not torch.equal(same.latents[0, 0], same.latents[3, 0])  # two groups, two noises
+    assert not torch.equal(same.latents[0, -1], same.latents[1, -1])  # the SDE steps differ within the group
+    # A group split between calls (its third sample alone) starts from the same noise.
+    alone = _generate(
+        sd3_policy, prompts=[PROMPTS[1]], prompt_indices=[1], n=1, first_sample_index=2, init_same_noise=True, **full
+    )
+    assert torch.equal(alone.latents[0, 0], same.latents[5, 0])
+    own = _generate(sd3_policy, n=3, **full)
+    assert not torch.equal(own.latents[0, 0], own.latents[1, 0])
+
+
+@pytest.mark.parametrize(
+    ("algo", "expected"),
+    [
+        ({}, False),
+        ({"sde_type": "dance_sde"}, True),
+        ({"sde_type": "dance_sde", "init_same_noise": False}, False),
+        ({"init_same_noise": True}, True),
+    ],
+)
+def test_init_same_noise_is_on_for_dance_sde_unless_set(algo, expected):
+    from omni_core.config import load_config
+    from omni_core.rollout.sampling_params import SamplingParams
+
+    overrides = [f"actor_rollout_ref.rollout.algo.{k}={str(v).lower()}" for k, v in algo.items()]
+    rollout = load_config(overrides=overrides).actor_rollout_ref.rollout
+    assert SamplingParams.for_training(rollout).init_same_noise is expected
+    assert SamplingParams.for_validation(rollout).init_same_noise is False  # validation keeps each sample's own noise

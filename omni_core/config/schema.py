@@ -241,6 +241,7 @@ class SdeAlgoConfig(ConfigModel):
     sample_strategy: Literal["random", "progressive"] = _g("sample_strategy")
     iters_per_group: PositiveInt = _g("iters_per_group")
     sde_window_seed: int = _g("sde_window_seed")
+    init_same_noise: bool | None = _g("init_same_noise")
 
 
 _vp = _Section("actor_rollout_ref.rollout.val_kwargs.pipeline")

@@ -6,7 +6,10 @@ Follows flow_grpo's ``pipeline_with_logprob`` loop (yifan123/flow_grpo) with its
 step inside its own window and the deterministic Euler (ODE) step outside it, and only the window is
 recorded. Every sample owns a CPU ``torch.Generator`` seeded with ``derive_sample_seed``; its initial
 noise, its window start and its step noise all come from that generator, so a sample reproduced alone
-(same four seed numbers) starts from bit-identical latents and follows the same window and noise.
+(same four seed numbers) starts from bit-identical latents and follows the same window and noise. With
+``init_same_noise`` (DanceGRPO) the initial noise is the prompt group's instead: drawn from a generator seeded with
+``derive_sample_seed(seed, step, prompt index, GROUP_NOISE_INDEX)``, the same for every sample of the group however
+the group is split among calls; the sample's own generator then gives its window and step noise.
 
 ``generate_groups`` runs ``generate`` one prompt group at a time. Batched kernels round differently for
 different batch shapes (measured on CPU, torch 2.13 / oneDNN: the tiny SD3 transformer's velocity rows
@@ -39,6 +42,10 @@ def derive_sample_seed(base_seed: int, global_step: int, prompt_index: int, samp
     (verl-omni #561), and the value does not depend on the batch a sample was generated in."""
     key = f"omniflow-sample-seed-v1:{int(base_seed)}:{int(global_step)}:{int(prompt_index)}:{int(sample_index)}"
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") & _SEED_MASK
+
+
+# The sample index in the seed of a prompt group's shared initial noise (init_same_noise): no sample has it.
+GROUP_NOISE_INDEX = -1
 
 
 def _generators(seeds: Sequence[int]) -> list[torch.Generator]:
@@ -76,6 +83,7 @@ def generate(
     max_sequence_length: int = 128,
     calculate_log_probs: bool = True,
     first_sample_index: int = 0,
+    init_same_noise: bool = False,
 ) -> Trajectory:
     """Generate ``n`` samples per prompt (B = len(prompts) * n, grouped prompt by prompt).
 
@@ -106,8 +114,13 @@ def generate(
     cond = policy.encode_prompts(prompts, negs, max_sequence_length, do_cfg)
     cond = {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
-    # 4. Initial noise, then each sample's window start (draw order per generator: noise, window, steps)
-    latents = policy.prepare_latents(batch, height, width, gens)
+    # 4. Initial noise, then each sample's window start (draw order per generator: noise, window, steps; with
+    #    init_same_noise the noise comes from the group's generator, and the sample's draws its window and steps)
+    if init_same_noise:
+        group_seeds = [derive_sample_seed(seed, global_step, int(p), GROUP_NOISE_INDEX) for p in prompt_index]
+        latents = policy.prepare_latents(batch, height, width, _generators(group_seeds))
+    else:
+        latents = policy.prepare_latents(batch, height, width, gens)
     num_window = window_length(num_inference_steps, sde_window_size)
     start = sample_sde_windows(num_inference_steps, batch, sde_window_size, sde_window_range, gens).to(device)
 

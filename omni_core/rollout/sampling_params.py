@@ -40,6 +40,7 @@ class SamplingParams:
         record_window: keep the SDE window (latents, timesteps, prompt embeddings) for training; False keeps
             only the images and scores (validation).
         mix_window: MixGRPO's window schedule (``model.algorithm=mix_grpo``): the step's window replaces the range.
+        init_same_noise: every sample of a prompt group starts from the group's one initial noise (DanceGRPO).
         fixed_noise: seed every request as global step 0, so the same prompt gets the same noise at every
             evaluation and images are comparable across steps (validation); False reseeds per step.
     """
@@ -60,6 +61,7 @@ class SamplingParams:
     record_window: bool = True
     fixed_noise: bool = False
     mix_window: MixWindow | None = None
+    init_same_noise: bool = False
 
     @classmethod
     def for_training(cls, rollout: Any, model_algorithm: str = "flow_grpo") -> SamplingParams:
@@ -86,6 +88,7 @@ class SamplingParams:
             record_window=True,
             fixed_noise=False,
             mix_window=mix,
+            init_same_noise=algo.sde_type == "dance_sde" if algo.init_same_noise is None else algo.init_same_noise,
         )
 
     @classmethod
@@ -103,6 +106,7 @@ class SamplingParams:
             record_window=False,
             fixed_noise=True,
             mix_window=None,
+            init_same_noise=False,
         )
 
     def replace(self, **changes: Any) -> SamplingParams:
