@@ -49,6 +49,7 @@ def test_training_params_are_the_rollout_keys(rollout):
         "sde_window_range": (1, 6),
         "max_sequence_length": 77,
         "calculate_log_probs": True,
+        "init_same_noise": False,  # null under sde_type=cps: each sample's own noise
         "global_step": 7,  # training reseeds every step
     }
 
