@@ -52,7 +52,6 @@ def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     return p
 
 
-# MixGRPO's window keys, their defaults (as verl-omni's) and what reads each (omni_core.rollout.mix_windows).
 # MixGRPO's window keys: their defaults (verl-omni's) and the settings that read each (omni_core.rollout.mix_windows).
 MIX_KEYS = {
     "sample_strategy": ("random", "model.algorithm=mix_grpo"),
