@@ -19,7 +19,8 @@ config/ and validation/), flows/, tasks/ or deployments/ as
 found with `ast`, so comments, docstrings and messages that mention a key do not count. Two indirect
 reads count too: a schema property that running code reads (`trainer.checkpoint_dir`) reads the fields
 its body uses (`self.default_local_dir`, ...), and a section in `HANDED_WHOLE` is given as a whole to a
-library. The rule cannot tell `rollout.seed` from `val_kwargs.seed` (one leaf name read anywhere covers
+library; the verl-omni selectors in `algorithm_names.DERIVED_SELECTORS` are implied by another key and checked
+against it. The rule cannot tell `rollout.seed` from `val_kwargs.seed` (one leaf name read anywhere covers
 every key of that name); it does catch a key whose name no running code uses, which is how a key gets
 accepted and ignored.
 """
@@ -35,6 +36,7 @@ import pytest
 from pydantic import BaseModel
 
 from omni_core.config import ConfigError, OmniFlowConfig, load_config
+from omni_core.config.algorithm_names import DERIVED_SELECTORS
 from omni_core.config.schema import RewardFunctionSpec
 from omni_core.config.unsupported import REFUSED_WHEN_NOT_DEFAULT
 from omni_core.validation import config_problems
@@ -116,7 +118,7 @@ def all_names_read() -> frozenset[str]:
 def unread_keys(leaves: dict[str, str], names: frozenset[str] | set[str]) -> list[str]:
     def handled(key: str, attr: str) -> bool:
         whole = any(key.startswith(section + ".") for section in HANDED_WHOLE)
-        return attr in names or whole or key in REFUSED_WHEN_NOT_DEFAULT
+        return attr in names or whole or key in REFUSED_WHEN_NOT_DEFAULT or key in DERIVED_SELECTORS
 
     return sorted(key for key, attr in leaves.items() if not handled(key, attr))
 
@@ -183,7 +185,7 @@ def _non_default(key: str) -> Any:
         return default + 1
     if default is None:
         return 2
-    return {"drop": "wait", "error": "left"}[default]
+    return {"drop": "wait", "error": "left", "online": "offline"}[default]
 
 
 def _value(config: Any, key: str) -> Any:

@@ -198,5 +198,7 @@ def test_registries_resolve_names_and_list_choices_for_unknown_ones():
     assert get_policy_loss("flow_grpo") is LOSS_MODES["flow_grpo"] is flow_grpo_loss.LOSS
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'.*flow_grpo"):
         get_adv_estimator("gae")
-    with pytest.raises(ValueError, match=r"unknown loss mode 'dpo'.*\['dance_grpo', 'flow_dppo', 'flow_grpo', 'grpo_guard'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown loss mode 'dpo'.*\['dance_grpo', 'diffusion_nft', 'flow_dppo', 'flow_grpo', 'grpo_guard'\]"
+    ):
         get_policy_loss("dpo")

@@ -137,3 +137,73 @@ def _is_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+# DiffusionNFT as verl-omni's recipe selects it, with a LoRA old policy.
+NFT = [
+    "actor_rollout_ref.model.algorithm=diffusion_nft",
+    "actor_rollout_ref.model.model_type=diffusion_nft_model",
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
+    "algorithm.trainer_type=direct_preference",
+    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
+    "actor_rollout_ref.rollout.rollout_adapter=old",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+]
+
+
+def _flow_matching_error(trainer: PolicyTrainer, traj, t: float = 0.6) -> torch.Tensor:
+    """Per sample: mean((v_theta(x_t) - (eps - x0))^2) at one fixed forward-process point of its final latents."""
+    x0 = traj.latents[:, -1]
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(123))
+    x_t = (1 - t) * x0 + t * eps
+    with torch.no_grad():
+        v = trainer.policy.velocity(x_t, torch.full((x0.shape[0],), t * 1000), traj.cond, height=32, width=32)
+    return ((v - (eps - x0)) ** 2).flatten(1).mean(dim=1)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_diffusion_nft_trains_on_its_ode_rollout_towards_the_better_samples(tiny_sd3_dir, one_torch_thread, sign):
+    """The NFT rollout records every step of the deterministic ODE and no log-probs; the update's first forwards are
+    on-policy (the old policy is the trained one: its velocity equals the current one's exactly, `old_deviate` 0);
+    afterwards the flow-matching error of the samples with a positive advantage falls relative to the others' (the
+    implicit positive policy fits them, the negative one is pushed away), and `copy` makes the old policy the new one."""
+    trainer = _trainer(tiny_sd3_dir, *NFT)
+    assert trainer.forward_process and {"forward_latents", "old_velocity", "final_latents"} <= trainer.needs
+    params = SamplingParams.for_training(trainer.config.actor_rollout_ref.rollout, "diffusion_nft")
+    assert params.noise_level == 0.0 and params.old_policy and not params.calculate_log_probs
+    traj = generate(trainer.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(1))
+    assert traj.window_size == 4 and torch.isnan(traj.log_probs).all()  # every step recorded, no log-probs
+    sigmas = traj.sigmas[0]
+    # The Euler ODE: each recorded step is x + v dt exactly (replayed here with the policy's own velocity).
+    v0 = trainer.policy.velocity(traj.latents[:, 0], traj.timesteps[:, 0], traj.cond, height=32, width=32).detach()
+    assert torch.allclose(traj.latents[:, 1], traj.latents[:, 0] + v0 * (sigmas[1] - sigmas[0]), atol=1e-6)
+
+    before = _flow_matching_error(trainer, traj)
+    advantages = sign * torch.tensor([1.0, -1.0] * 4)
+    metrics = trainer.train_on(traj, advantages, 1)
+    assert metrics["actor/old_deviate"] == 0.0  # one mini-batch: every forward before its optimizer step
+    assert metrics["actor/reward_prob_mean"] == pytest.approx(0.5)  # r = 0.6 and 0.4 in pairs
+    assert metrics["actor/old_policy_refreshed"] == 1.0 and metrics["actor/old_policy_decay"] == 0.0
+    assert all(torch.equal(trainer.old_policy[k], v) for k, v in trainer.trainable_state().items())  # copy
+    change = _flow_matching_error(trainer, traj) - before
+    better, worse = (change[0::2], change[1::2]) if sign > 0 else (change[1::2], change[0::2])
+    assert better.mean() < worse.mean(), (better, worse)
+
+
+def test_the_old_policy_is_swapped_in_and_back_bit_for_bit_and_saved_with_the_state(tiny_sd3_dir, one_torch_thread):
+    trainer = _trainer(tiny_sd3_dir, *NFT, "algorithm.old_policy_decay=0.5")
+    live = trainer.trainable_state()
+    trained = {k: v.detach().clone() for k, v in live.items()}
+    old = {k: v + 1.0 for k, v in trained.items()}  # an old policy that differs from the trained one
+    trainer.old_policy = {k: v.clone() for k, v in old.items()}
+    with trainer.old_policy_loaded():
+        assert all(torch.equal(live[k], old[k]) for k in live)
+    assert all(torch.equal(live[k], trained[k]) for k in live)
+    metrics = trainer.refresh_old_policy(3)  # decay 0.5: the mean of the two
+    assert metrics == {"actor/old_policy_refreshed": 1.0, "actor/old_policy_decay": 0.5}
+    assert all(torch.allclose(trainer.old_policy[k], trained[k] + 0.5, atol=1e-6) for k in live)
+    state = copy.deepcopy(trainer.state_dict())
+    fresh = _trainer(tiny_sd3_dir, *NFT)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(fresh.old_policy[k], trainer.old_policy[k]) for k in live)

@@ -11,6 +11,17 @@ from omni_core.validation import config_problems, validate_attention_consistency
 
 CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
 
+# DiffusionNFT as verl-omni's recipe selects it (a valid config with the model override).
+NFT = [
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
+    "actor_rollout_ref.model.algorithm=diffusion_nft",
+    "actor_rollout_ref.model.model_type=diffusion_nft_model",
+    "algorithm.trainer_type=direct_preference",
+    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
+    "actor_rollout_ref.rollout.rollout_adapter=old",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+]
 # (overrides, key path that the error must name, a fragment of the message)
 BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     # unknown keys, typos and unsupported verl-omni keys / values
@@ -134,7 +145,32 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["actor_rollout_ref.rollout.algo.sde_window_range=[0,1]"], "actor_rollout_ref.rollout.algo.sde_window_range", "narrower"),
     (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "flow_grpo"),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "flow_grpo"),
-    (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
+    (["actor_rollout_ref.model.algorithm=sd3_dpo"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
+    # DiffusionNFT: verl-omni's selecting keys together, its old policy on LoRA, and nothing of the SDE sampler.
+    (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "or neither"),
+    ([NFT[0], *NFT[2:]], "actor_rollout_ref.model.algorithm", "diffusion_nft together with"),
+    ([*NFT, "actor_rollout_ref.model.model_type=diffusion_model"], "actor_rollout_ref.model.model_type", "diffusion_nft_model"),
+    ([*NFT, "actor_rollout_ref.model.model_type=diffusion_dpo_model"], "actor_rollout_ref.model.model_type", "not available"),
+    ([*NFT, "algorithm.trainer_type=policy_gradient"], "algorithm.trainer_type", "must be direct_preference"),
+    (["algorithm.trainer_type=direct_preference"], "algorithm.trainer_type", "must be policy_gradient"),
+    ([*NFT, "actor_rollout_ref.model.lora_rank=0"], "actor_rollout_ref.model.lora_rank", "second LoRA adapter"),
+    (
+        [*NFT, "actor_rollout_ref.model.policy_state_adapters=[default]"],
+        "actor_rollout_ref.model.policy_state_adapters",
+        "[default,old]",
+    ),
+    ([*NFT, "actor_rollout_ref.rollout.rollout_adapter=default"], "actor_rollout_ref.rollout.rollout_adapter", "set old"),
+    (["actor_rollout_ref.rollout.rollout_adapter=old"], "actor_rollout_ref.rollout.rollout_adapter", "policy_state_adapters"),
+    (["algorithm.timestep_fraction=0.5"], "algorithm.timestep_fraction", "read only by DiffusionNFT"),
+    (["actor_rollout_ref.actor.diffusion_loss.mix_beta=0.1"], "actor_rollout_ref.actor.diffusion_loss.mix_beta", "diffusion_nft"),
+    (
+        [*NFT, "actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5"],
+        "actor_rollout_ref.actor.diffusion_loss.clip_ratio",
+        "not read",
+    ),
+    ([*NFT, "actor_rollout_ref.rollout.algo.sde_window_size=3"], "actor_rollout_ref.rollout.algo.sde_window_size", "ODE"),
+    ([*NFT, "actor_rollout_ref.actor.use_kl_loss=true"], "actor_rollout_ref.actor.use_kl_loss", "ref_kl_coef"),
+    ([*NFT, "actor_rollout_ref.actor.strategy=fsdp2", "trainer.n_gpus_per_node=2"], "actor_rollout_ref.actor.strategy", "fsdp2"),
     (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
     (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "sde_type=dance_sde"),
     (["algorithm.rollout_correction.rollout_rs=seq_mean_k9"], "algorithm.rollout_correction.rollout_rs", "unknown option"),
@@ -359,6 +395,13 @@ def test_bad_config_is_rejected_with_its_key_path(overrides, key, fragment, mode
 
 def test_default_config_is_valid(model):
     validate_config(load_config(overrides=[model]), device_counts=CPU_ONLY)
+
+
+def test_diffusion_nft_as_verl_omni_selects_it_is_valid(model):
+    validate_config(
+        load_config(overrides=[model, *NFT, "algorithm.timestep_fraction=0.5", "algorithm.adv_mode=binary"]),
+        device_counts=CPU_ONLY,
+    )
 
 
 def test_all_problems_are_reported_together(model):

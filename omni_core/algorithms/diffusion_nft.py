@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from omni_core.config.algorithm_names import ADV_MODE_NAMES, OLD_POLICY_DECAY_SCHEDULES
+
 __all__ = [
     "ADV_MODES",
     "OLD_POLICY_DECAY_SCHEDULES",
@@ -46,15 +48,7 @@ __all__ = [
 # algorithm.adv_mode: how the clipped advantage A in [-c, c] becomes r. continuous: as is; positive_only / negative_only:
 # the other sign set to 0 (r = 1/2 there); one_only: 1 where A > 0, else 0 (r = 1/2 + 1/(2c) or 1/2: verl-omni's
 # mapping, which leaves r below 1 for c > 1); binary: sign(A) (r = 1/2 +- 1/(2c)).
-ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
-
-# algorithm.old_policy_decay_schedule -> (warm-up steps, ramp per step, largest decay): d = 0 before the warm-up ends,
-# then min((step - warm-up) * ramp, largest). DiffusionNFT's published schedules.
-OLD_POLICY_DECAY_SCHEDULES: dict[str, tuple[int, float, float]] = {
-    "copy": (0, 0.0, 0.0),
-    "linear_to_0_5": (0, 0.001, 0.5),
-    "delayed_linear_to_0_999": (75, 0.0075, 0.999),
-}
+ADV_MODES = ADV_MODE_NAMES
 
 
 def reward_probability(advantages: Tensor, adv_clip_max: float, adv_mode: str = "continuous") -> Tensor:

@@ -20,6 +20,14 @@ Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*lat
     from the stored trajectory      latents [b, *latent] (x_j), next_latents [b, *latent] (x_{j+1}),
                                     sigma [b], next_sigma [b], final_latents [b, *latent] (the window's last latent),
                                     sqrt_dt [b] (sqrt(sigma - next_sigma): the transition std is std_dev_t * sqrt_dt)
+
+A forward-process loss (DiffusionNFT) declares ``forward_latents``: its steps are then not the stored transitions but
+forward-process points of the final samples. For step ``j`` of sample ``i`` the step function takes one of the rollout's
+schedule sigmas ``t`` (`algorithm.timestep_fraction` of them per sample), fresh noise ``eps`` and
+
+    forward_latents [b, *latent] = (1 - t) final_latents + t eps,      forward_sigma [b] = t,
+    velocity / ref_velocity [b, *latent]   the current (with gradient) / reference policy's prediction there,
+    old_velocity [b, *latent]              the old policy's (`model.policy_state_adapters` old; no gradient).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from torch import Tensor
 
 __all__ = [
     "DATA_INPUTS",
+    "FORWARD_PROCESS_INPUTS",
     "LOSS_INPUTS",
     "OPTIONAL_INPUTS",
     "REFERENCE_INPUTS",
@@ -63,6 +72,9 @@ class LossInputs:
     next_sigma: Tensor | None = None
     final_latents: Tensor | None = None
     sqrt_dt: Tensor | None = None
+    forward_latents: Tensor | None = None
+    forward_sigma: Tensor | None = None
+    old_velocity: Tensor | None = None
 
 
 LOSS_INPUTS = frozenset(f.name for f in fields(LossInputs))
@@ -71,6 +83,8 @@ DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index", "old_prev_s
 # Declared inputs that may stay None: the loss then runs without them (rollout correction off).
 OPTIONAL_INPUTS = frozenset({"rollout_weight"})
 REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
+# Declaring any of these makes the loss a forward-process loss (the step function noises the final samples afresh).
+FORWARD_PROCESS_INPUTS = frozenset({"forward_latents", "forward_sigma", "old_velocity"})
 
 
 @dataclass(frozen=True)

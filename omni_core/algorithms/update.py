@@ -76,12 +76,15 @@ class StepOutput:
         ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
         latents, next_latents, sigma, next_sigma, final_latents, sqrt_dt: the stored trajectory's, for a loss that
             declares them (see ``LossInputs``).
+        forward_latents, forward_sigma, old_velocity: a forward-process loss's point and the old policy's velocity
+            there (``velocity`` / ``ref_velocity`` are then the current / reference policy's at that point); such a
+            step has no transition, so ``log_prob``, ``prev_sample_mean`` and ``std_dev_t`` stay None.
     A step function fills the optional fields the active loss declares (``LossInputs``); the others stay None.
     """
 
-    log_prob: Tensor
-    prev_sample_mean: Tensor
-    std_dev_t: Tensor | float
+    log_prob: Tensor | None = None
+    prev_sample_mean: Tensor | None = None
+    std_dev_t: Tensor | float | None = None
     ref_prev_sample_mean: Tensor | None = None
     velocity: Tensor | None = None
     ref_velocity: Tensor | None = None
@@ -91,6 +94,14 @@ class StepOutput:
     next_sigma: Tensor | None = None
     final_latents: Tensor | None = None
     sqrt_dt: Tensor | None = None
+    forward_latents: Tensor | None = None
+    forward_sigma: Tensor | None = None
+    old_velocity: Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the step's values live (its first tensor's device)."""
+        return next(v for v in vars(self).values() if isinstance(v, Tensor)).device
 
 
 @dataclass
@@ -143,7 +154,8 @@ def nonfinite_metrics(metrics: Mapping[str, float], *, scaled: bool) -> list[str
     With a gradient scaler (fp16 compute) a non-finite gradient norm alone is an overflow that the scaler
     answers by lowering its scale (routine in the first steps); it counts only with a non-finite loss.
     """
-    losses = [k for k in ("actor/pg_loss", "actor/kl_loss") if k in metrics and not math.isfinite(metrics[k])]
+    keys = ("actor/pg_loss", "actor/kl_loss", "actor/total_loss")  # total_loss: a loss without a policy-gradient term
+    losses = [k for k in keys if k in metrics and not math.isfinite(metrics[k])]
     grad = [] if math.isfinite(metrics["actor/grad_norm"]) else ["actor/grad_norm"]
     return [] if scaled and not losses else losses + grad
 
@@ -199,7 +211,7 @@ def _loss_inputs(
 ) -> LossInputs:
     """The record of window step ``j`` of the micro-batch of samples ``idx``: the declared fields only, the step's data
     moved to the device of ``out.log_prob``; a declared field the step function did not return is an error."""
-    device = out.log_prob.device
+    device = out.device
     values: dict[str, Any] = {}
     for key in needs - DATA_INPUTS:
         values[key] = getattr(out, key)
@@ -341,6 +353,7 @@ def ppo_update(
                     out = step_fn(micro, j)
                     inputs = _loss_inputs(cfg.loss_mode, needs, out, micro, micro_idx, j, group)
                     if cfg.bypass_correction is not None and "rollout_weight" in needs:
+                        assert out.log_prob is not None
                         rollout_j = micro["old_log_probs"][:, j].to(out.log_prob.device)  # bypass: old == rollout
                         weight, corr = cfg.bypass_correction.bypass(out.log_prob.detach().float(), rollout_j.float())
                         inputs.rollout_weight = weight
@@ -354,6 +367,7 @@ def ppo_update(
                         sums[key] = sums[key] + value if key in sums else value
                     n_terms += 1
                     if levels is not None:
+                        assert out.log_prob is not None
                         old_j = micro["old_log_probs"][:, j].to(out.log_prob.device)
                         ratio = torch.exp(out.log_prob.detach().float() - old_j.float())
                         level = torch.searchsorted(levels, micro["staleness"]).to(ratio.device, non_blocking=True)

@@ -28,6 +28,8 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.yaml"
 ACTOR_DIR = "actor"
 EMA_NAME = "ema"  # <checkpoint>/actor/ema.safetensors: the moving average of the weights (actor.ema)
+# DiffusionNFT's old policy (`model.policy_state_adapters` [default, old]): actor/old_policy.safetensors, keyed as the model.
+OLD_POLICY_NAME = "old_policy"
 LOCK_FILE = ".omniflow.lock"
 TMP_PREFIX = ".tmp_"
 LOGS_DIR = "logs"  # <root>/logs/<run id>/: one run's metrics (metrics.jsonl), TensorBoard and validation images

@@ -14,6 +14,12 @@ from typing import Literal
 
 __all__ = [
     "ADV_ESTIMATOR_NAMES",
+    "ADV_MODE_NAMES",
+    "DERIVED_SELECTORS",
+    "FORWARD_PROCESS_ALGORITHMS",
+    "FORWARD_PROCESS_LOSSES",
+    "OLD_POLICY_DECAY_SCHEDULES",
+    "OLD_POLICY_DECAY_SCHEDULE_NAMES",
     "LOSSES",
     "LOSS_MODE_NAMES",
     "MODEL_ALGORITHM_NAMES",
@@ -43,8 +49,31 @@ class LossEntry:
 ADV_ESTIMATOR_NAMES = ("flow_grpo", "dance_grpo")  # algorithm.adv_estimator
 
 # actor_rollout_ref.model.algorithm: verl-omni's pipeline adapter of a model (`DiffusionModelBase.register(name,
-# algorithm=...)`: how it samples and scores transitions), not the loss. OmniFlow has Flow-GRPO's.
-MODEL_ALGORITHM_NAMES = ("flow_grpo", "mix_grpo")  # mix_grpo: Flow-GRPO's sampler with MixGRPO's window schedule
+# algorithm=...)`: how it samples and scores transitions), not the loss. mix_grpo: Flow-GRPO's sampler with MixGRPO's
+# window schedule; diffusion_nft: the deterministic ODE over every step, no log-probs (DiffusionNFT's rollout).
+MODEL_ALGORITHM_NAMES = ("flow_grpo", "mix_grpo", "diffusion_nft")
+
+# Model algorithms whose rollout records no SDE transitions: trained by a forward-process loss (`FORWARD_PROCESS_LOSSES`),
+# with their own engine (`actor_rollout_ref.model.model_type`) and trainer loop (`algorithm.trainer_type`).
+FORWARD_PROCESS_ALGORITHMS = {"diffusion_nft": ("diffusion_nft_model", "direct_preference")}
+FORWARD_PROCESS_LOSSES = ("diffusion_nft",)
+
+# verl-omni's engine and trainer-loop selectors. OmniFlow's engine follows the loss's declared inputs and its loop the
+# trainer mode, so each value is implied by model.algorithm (FORWARD_PROCESS_ALGORITHMS); validation
+# (`omni_core.validation.direct_preference`) refuses a value that disagrees, naming the one that goes with it.
+DERIVED_SELECTORS = ("actor_rollout_ref.model.model_type", "algorithm.trainer_type")
+
+# algorithm.adv_mode (DiffusionNFT): how a clipped group advantage becomes the optimality probability.
+ADV_MODE_NAMES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
+
+# algorithm.old_policy_decay_schedule (DiffusionNFT) -> (warm-up steps, ramp per step, largest decay): the decay is 0
+# before the warm-up ends, then min((step - warm-up) * ramp, largest). DiffusionNFT's published schedules.
+OLD_POLICY_DECAY_SCHEDULES: dict[str, tuple[int, float, float]] = {
+    "copy": (0, 0.0, 0.0),
+    "linear_to_0_5": (0, 0.001, 0.5),
+    "delayed_linear_to_0_999": (75, 0.0075, 0.999),
+}
+OLD_POLICY_DECAY_SCHEDULE_NAMES = tuple(OLD_POLICY_DECAY_SCHEDULES)
 
 # actor_rollout_ref.actor.diffusion_loss.loss_mode -> the loss
 LOSSES: dict[str, LossEntry] = {
@@ -56,6 +85,13 @@ LOSSES: dict[str, LossEntry] = {
         {"kl_mask_threshold": "non_negative_float", "add_kl_coefficient": "bool"},
         unread=("clip_ratio", "adv_clip_max"),
         old_policy_means=True,
+    ),
+    # DiffusionNFT's forward-process objective: reads adv_clip_max (the optimality probability's scale), not clip_ratio
+    # (it has no ratio; verl-omni's recipe sets one, which its loss ignores: refused here, as every unread key).
+    "diffusion_nft": LossEntry(
+        "omni_core.algorithms.losses.diffusion_nft",
+        {"mix_beta": "positive_float", "ref_kl_coef": "non_negative_float", "adaptive_weight_min": "positive_float"},
+        unread=("clip_ratio",),
     ),
 }
 LOSS_MODE_NAMES = tuple(LOSSES)

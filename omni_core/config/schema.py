@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
-from omni_core.config.algorithm_names import LOSSES
+from omni_core.config.algorithm_names import ADV_MODE_NAMES, LOSSES, OLD_POLICY_DECAY_SCHEDULE_NAMES
 from omni_core.config.defaults_file import load_defaults
 
 _VALUES, _COMMENTS = load_defaults()
@@ -108,6 +108,8 @@ class ModelConfig(ConfigModel):
     tokenizer_path: str | None = _m("tokenizer_path")
     architecture: str | None = _m("architecture")
     algorithm: str = _m("algorithm")
+    model_type: Literal["diffusion_model", "diffusion_nft_model", "diffusion_dpo_model"] = _m("model_type")
+    policy_state_adapters: StrList = _m("policy_state_adapters")
     attn_backend: str = _m("attn_backend")
     lora_rank: int = _m("lora_rank")
     lora_alpha: float = _m("lora_alpha")
@@ -285,6 +287,7 @@ class RolloutConfig(ConfigModel):
     dtype: DtypeName = _ro("dtype")
     rollout_attn_backend: str = _ro("rollout_attn_backend")
     use_torch_compile: bool = _ro("use_torch_compile")
+    rollout_adapter: Literal["default", "old"] = _ro("rollout_adapter")
     calculate_log_probs: bool = _ro("calculate_log_probs")
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = _ro("log_prob_micro_batch_size_per_gpu")
     nnodes: NonNegInt = _ro("nnodes")
@@ -329,6 +332,14 @@ class AlgorithmConfig(ConfigModel):
     norm_adv_by_std_in_grpo: bool = _al("norm_adv_by_std_in_grpo")
     global_std: bool = _al("global_std")
     std_estimator: Literal["unbiased", "population"] = _al("std_estimator")
+    trainer_type: Literal["policy_gradient", "direct_preference"] = _al("trainer_type")
+    sample_source: Literal["online", "offline"] = _al("sample_source")
+    paired_preference: bool = _al("paired_preference")
+    timestep_fraction: Annotated[float, Field(gt=0, le=1)] = _al("timestep_fraction")
+    adv_mode: Literal[ADV_MODE_NAMES] = _al("adv_mode")
+    old_policy_decay_schedule: Literal[OLD_POLICY_DECAY_SCHEDULE_NAMES] = _al("old_policy_decay_schedule")
+    old_policy_decay: Annotated[float, Field(ge=0, le=1)] | None = _al("old_policy_decay")
+    old_policy_update_interval: PositiveInt = _al("old_policy_update_interval")
     rollout_correction: RolloutCorrectionConfig = _al.section("rollout_correction", RolloutCorrectionConfig)
 
 

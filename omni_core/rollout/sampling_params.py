@@ -43,6 +43,12 @@ class SamplingParams:
         init_same_noise: every sample of a prompt group starts from the group's one initial noise (DanceGRPO).
         fixed_noise: seed every request as global step 0, so the same prompt gets the same noise at every
             evaluation and images are comparable across steps (validation); False reseeds per step.
+        old_policy: sample with the old policy (``rollout.rollout_adapter=old``, DiffusionNFT's training rollouts)
+            instead of the trained one.
+
+    ``model.algorithm=diffusion_nft`` samples with the deterministic Euler ODE at every step (noise level 0) and records
+    every step (the window is the whole schedule): DiffusionNFT trains on the final latents at the schedule's sigmas
+    and needs no log-probs.
     """
 
     n: int
@@ -62,6 +68,7 @@ class SamplingParams:
     fixed_noise: bool = False
     mix_window: MixWindow | None = None
     init_same_noise: bool = False
+    old_policy: bool = False
 
     @classmethod
     def for_training(cls, rollout: Any, model_algorithm: str = "flow_grpo") -> SamplingParams:
@@ -71,6 +78,16 @@ class SamplingParams:
         mix = (
             MixWindow(algo.sample_strategy, algo.iters_per_group, algo.sde_window_seed) if model_algorithm == "mix_grpo" else None
         )
+        if model_algorithm == "diffusion_nft":  # the ODE over the whole schedule, every step recorded, no log-probs
+            steps = rollout.pipeline.num_inference_steps
+            return cls.for_training(rollout).replace(
+                noise_level=0.0,
+                sde_window_size=steps,
+                sde_window_range=(0, steps),
+                calculate_log_probs=False,
+                init_same_noise=False,
+                old_policy=rollout.rollout_adapter == "old",
+            )
         return cls(
             n=rollout.n,
             seed=rollout.seed or 0,
@@ -107,6 +124,7 @@ class SamplingParams:
             fixed_noise=True,
             mix_window=None,
             init_same_noise=False,
+            old_policy=False,
         )
 
     def replace(self, **changes: Any) -> SamplingParams:
@@ -122,7 +140,7 @@ class SamplingParams:
         kwargs = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("fixed_noise", "record_window", "mix_window")
+            if f.name not in ("fixed_noise", "record_window", "mix_window", "old_policy")
         }
         kwargs["global_step"] = 0 if self.fixed_noise else global_step
         if self.mix_window is not None:  # MixGRPO: every sample of the step in the step's window

@@ -4,7 +4,8 @@ It samples, scores and stores a request in the training process with the trained
 push over Ray), on its own number of torch threads. Where that gives the same numbers as a rollout copy
 (`rollout_shares_trained_weights`) the rollout worker is a view of the trained modules; else it keeps a
 `rollout.dtype` copy, refreshed whenever the weights changed since it last sampled. A request for the EMA weights
-(validation with `actor.ema`) swaps the average in for the duration (flow_grpo's copy_ema_to / copy_temp_to).
+(validation with `actor.ema`) swaps the average in for the duration (flow_grpo's copy_ema_to / copy_temp_to), and a
+training request of DiffusionNFT with `rollout.rollout_adapter=old` the old policy.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ColocatedRollout:
     ) -> RolloutResult:
         """Sample, score and store `request` with `trainer`'s weights (`weights()`: the full trainable state, for a
         copy); see `RolloutWorker.generate`."""
-        with self._ema_weights_loaded(trainer, request.weights_ema):
+        with self._ema_weights_loaded(trainer, request.weights_ema), self._old_policy_loaded(trainer, request.params.old_policy):
             worker = self._current(trainer, weights)
             transformer = trainer.policy.transformer
             was_training = transformer.training
@@ -72,6 +73,20 @@ class ColocatedRollout:
         finally:
             trainer.policy.load_trainable_state(trained)
             self._version = None
+
+    @contextlib.contextmanager
+    def _old_policy_loaded(self, trainer: PolicyTrainer, use_old: bool) -> Iterator[None]:
+        """Within (when `use_old`, `rollout.rollout_adapter=old`): the policy holds DiffusionNFT's old policy; the rollout
+        copy refreshes on entry and again after."""
+        if not use_old:
+            yield
+            return
+        with trainer.old_policy_loaded():
+            self._version = None
+            try:
+                yield
+            finally:
+                self._version = None
 
     def _current(self, trainer: PolicyTrainer, weights: Callable[[], dict[str, torch.Tensor]]) -> RolloutWorker:
         """The rollout worker over the current weights: a view of the trained modules, or a refreshed copy."""

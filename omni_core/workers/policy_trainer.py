@@ -16,15 +16,17 @@ forward/backward under autocast in `actor.fsdp_config.dtype`, and a gradient sca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from omni_core.algorithms.diffusion_nft import forward_process, old_policy_decay, refresh_old_policy, select_train_timesteps
 from omni_core.algorithms.ema import WeightsEMA
-from omni_core.algorithms.loss_contract import REFERENCE_INPUTS, check_declared
+from omni_core.algorithms.loss_contract import FORWARD_PROCESS_INPUTS, REFERENCE_INPUTS, check_declared
 from omni_core.algorithms.registry import get_policy_loss
 from omni_core.algorithms.rollout_correction import RolloutCorrection
 from omni_core.algorithms.update import (
@@ -43,13 +45,18 @@ from omni_core.models import lora
 from omni_core.models.placement import training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.records import ONE_UPDATE, LocalUpdate
-from omni_core.rollout.sampler import TransitionScore, score_transitions
+from omni_core.rollout.sampler import TransitionScore, derive_sample_seed, score_transitions
 from omni_core.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
 # Gather(own sample indices, their values [n, ...], batch size) -> [batch size, ...] with every rank's values.
 Gather = Callable[[list[int], torch.Tensor, int], torch.Tensor]
+
+# A forward-process step's noise: the seed of sample `i` at its step `j` is derive_sample_seed(data_loader_seed, global
+# step, FORWARD_NOISE_INDEX - i, j), prompt indices no rollout uses (theirs are >= 0), so it is drawn apart from every
+# rollout noise and does not depend on the rank or micro-batch that trains the sample.
+FORWARD_NOISE_INDEX = -2
 
 # The stored trajectory's values a loss may declare, for the rows `part` at window step `j`.
 TRAJECTORY_INPUTS: dict[str, Callable[[Trajectory, int], torch.Tensor]] = {
@@ -93,6 +100,8 @@ class PolicyTrainer:
         self.correction: RolloutCorrection | None = None  # set below, once the loss's inputs are known
         # What the active loss reads (the update computes nothing else; the reference pass runs only if declared).
         self.needs = check_declared(self.update_config(0).loss_mode, self.loss, self.update_config(0).loss_settings())
+        # A forward-process loss (DiffusionNFT) trains on noised final samples, not on the stored transitions.
+        self.forward_process = bool(self.needs & FORWARD_PROCESS_INPUTS)
         rc = config.algorithm.rollout_correction
         correction = RolloutCorrection(
             rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold
@@ -128,6 +137,10 @@ class PolicyTrainer:
         self.version = 0  # the global step whose update produced the current weights
         ema = arr.actor.ema  # the moving average of the trained weights (validation and export use it)
         self.ema = WeightsEMA(self.trainable_state(), ema.decay, ema.start_step, ema.update_interval) if ema.enable else None
+        # DiffusionNFT's old policy (model.policy_state_adapters [default, old]): a copy of the trainable state, the
+        # trained one's at the start, refreshed after updates by algorithm.old_policy_*.
+        keeps_old = "old" in arr.model.policy_state_adapters
+        self.old_policy = {k: v.detach().clone() for k, v in self.trainable_state().items()} if keeps_old else None
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule over the current trainable parameters (FSDP2 replaces them with shards)."""
@@ -153,6 +166,8 @@ class PolicyTrainer:
                 state["grad_scaler"] = self.grad_scaler.state_dict()
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
+        if self.old_policy is not None:
+            state["old_policy"] = dict(self.old_policy)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -174,6 +189,36 @@ class PolicyTrainer:
             self.ema.load_state_dict(state["ema"])
         elif self.ema is not None and "model" in state:
             self.ema = WeightsEMA(self.trainable_state(), self.ema.decay, self.ema.start_step, self.ema.update_interval)
+        if self.old_policy is not None and "old_policy" in state:
+            refresh_old_policy(self.old_policy, state["old_policy"], 0.0)
+        elif self.old_policy is not None and "model" in state:  # no old policy saved: it starts at the loaded weights
+            refresh_old_policy(self.old_policy, self.trainable_state(), 0.0)
+
+    @contextlib.contextmanager
+    def old_policy_loaded(self) -> Iterator[None]:
+        """Within: the policy's trainable tensors hold the old policy (DiffusionNFT); the trained values, kept aside,
+        are copied back on exit, bit for bit."""
+        if self.old_policy is None:
+            raise RuntimeError("no old policy is kept: set actor_rollout_ref.model.policy_state_adapters=[default,old]")
+        live = self.trainable_state()
+        kept = {k: v.detach().clone() for k, v in live.items()}
+        refresh_old_policy(live, self.old_policy, 0.0)
+        try:
+            yield
+        finally:
+            refresh_old_policy(live, kept, 0.0)
+
+    def refresh_old_policy(self, global_step: int) -> dict[str, float]:
+        """After the update of `global_step`: `old <- d old + (1 - d) trained` every `algorithm.old_policy_update_interval`
+        steps, `d` from `old_policy_decay` / `old_policy_decay_schedule`. Its metrics (empty without an old policy)."""
+        if self.old_policy is None:
+            return {}
+        algo = self.config.algorithm
+        if global_step % algo.old_policy_update_interval:
+            return {"actor/old_policy_refreshed": 0.0}
+        decay = old_policy_decay(global_step, algo.old_policy_decay_schedule, algo.old_policy_decay)
+        refresh_old_policy(self.old_policy, self.trainable_state(), decay)
+        return {"actor/old_policy_refreshed": 1.0, "actor/old_policy_decay": decay}
 
     def apply_optim_config(self) -> None:
         """Set lr / betas / weight_decay from the config over a loaded optimizer state (whose values were the
@@ -208,7 +253,8 @@ class PolicyTrainer:
             kl_type=actor.kl_loss_type,
             dp_rank=self.rank,
             dp_size=self.world_size,
-            loss_options=actor.diffusion_loss.model_dump(),
+            # A loss's own keys; algorithm.adv_mode is DiffusionNFT's mapping of advantages (its loss reads it).
+            loss_options=actor.diffusion_loss.model_dump() | {"adv_mode": self.config.algorithm.adv_mode},
             bypass_correction=self.correction if self.config.algorithm.rollout_correction.bypass_mode else None,
         )
 
@@ -337,9 +383,20 @@ class PolicyTrainer:
                 if weights is not None:
                     batch["rollout_weights"] = weights
                 drift.update({f"rollout_corr/{key}": value for key, value in corrected.items()})
+        elif self.forward_process:  # each sample's forward-process steps: a subset of the rollout's schedule
+            fraction = self.config.algorithm.timestep_fraction
+            seed = derive_sample_seed(self.config.actor_rollout_ref.actor.data_loader_seed, global_step, FORWARD_NOISE_INDEX, -1)
+            batch["train_steps"] = select_train_timesteps(
+                traj.window_size, batch_size, fraction, torch.Generator().manual_seed(seed)
+            )
+            batch["window"] = batch["train_steps"].shape[1]
         else:
             batch["window"] = traj.window_size
-        refs = {key: self.by_sample(own, value, batch_size) for key, value in self.reference_predictions(part).items()}
+        refs = (
+            {}
+            if self.forward_process
+            else {k: self.by_sample(own, v, batch_size) for k, v in self.reference_predictions(part).items()}
+        )
         if self.sharded:
             # FSDP2 keeps the root's parameters gathered after a forward; gathered under no_grad they would carry no
             # gradient back to the shards (the root's gradients came out None): gather them again in the update.
@@ -365,20 +422,79 @@ class PolicyTrainer:
                 setattr(out, key, TRAJECTORY_INPUTS[key](rows_part, j))
             return out
 
+        def forward_step_fn(mb: dict[str, Any], j: int) -> StepOutput:
+            if selected.get("micro_batch") is not mb:
+                selected.update(micro_batch=mb, part=traj.index_select(row_of[mb["sample"]]).to(self.policy.device))
+            return self.forward_process_step(selected["part"], mb["sample"], mb["train_steps"][:, j], j, global_step)
+
         if staleness is not None:
             batch["staleness"] = staleness.float()
-        metrics = self._update(batch, step_fn, global_step, local)
+        metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local)
         metrics.update(drift)
         self.count_nonfinite(metrics, global_step)
         self.version = global_step
         if self.ema is not None and local.last:
             decay = self.ema.step(self.trainable_state(), global_step)
             metrics["actor/ema_decay"] = 0.0 if decay is None else decay  # 0: the average was not folded this step
+        if local.last:
+            metrics.update(self.refresh_old_policy(global_step))
         t2 = time.perf_counter()
         metrics["timing_s/old_log_prob"] = t1 - t0
         metrics["timing_s/update_actor"] = t2 - t1
         metrics["_train_s"] = t2 - t0
         return metrics
+
+    def forward_process_step(
+        self, part: Trajectory, samples: torch.Tensor, steps: torch.Tensor, j: int, global_step: int
+    ) -> StepOutput:
+        """Step `j` of a forward-process loss for the rows `part` (the step's samples `samples`): each sample's final
+        latents noised at the sigma of its schedule step `steps` with its own fresh noise (`FORWARD_NOISE_INDEX`), and
+        the old (no gradient), reference (no gradient, when declared) and current policy's velocity there."""
+        device = self.policy.device
+        rows = torch.arange(part.batch_size)
+        steps = steps.to(part.sigmas.device)
+        sigma, timestep = part.sigmas[rows, steps], part.timesteps[rows, steps]
+        x0 = part.latents[:, -1]
+        base = self.config.actor_rollout_ref.actor.data_loader_seed
+        noise = torch.stack(
+            [
+                torch.randn(
+                    x0.shape[1:],
+                    generator=torch.Generator().manual_seed(
+                        derive_sample_seed(base, global_step, FORWARD_NOISE_INDEX - int(i), j)
+                    ),
+                )
+                for i in samples
+            ]
+        ).to(device)
+        x_t, _ = forward_process(x0, noise, sigma)
+        rollout = self.config.actor_rollout_ref.rollout
+        height, width = part.images.shape[-2:]
+
+        def predict(use_reference: bool = False) -> torch.Tensor:
+            return self.policy.velocity(
+                x_t,
+                timestep,
+                part.cond,
+                rollout.pipeline.guidance_scale,
+                use_reference=use_reference,
+                height=height,
+                width=width,
+                detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
+                true_cfg_scale=rollout.pipeline.true_cfg_scale,
+            )
+
+        with torch.no_grad(), self.old_policy_loaded():
+            old_velocity = predict()
+        ref_velocity = predict(use_reference=True) if "ref_velocity" in self.needs else None
+        return StepOutput(
+            velocity=predict(),
+            old_velocity=old_velocity,
+            ref_velocity=ref_velocity,
+            final_latents=x0,
+            forward_latents=x_t,
+            forward_sigma=sigma.to(device),
+        )
 
     def _update(
         self,

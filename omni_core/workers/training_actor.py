@@ -27,7 +27,7 @@ import torch
 from omni_core.algorithms.update import NonFiniteTrainingError
 from omni_core.checkpoint.compat import export_only_message
 from omni_core.checkpoint.files import read_tensors, read_torch_state, write_tensors, write_torch_state
-from omni_core.checkpoint.layout import EMA_NAME, CheckpointError
+from omni_core.checkpoint.layout import EMA_NAME, OLD_POLICY_NAME, CheckpointError
 from omni_core.checkpoint.writer import check_free_space, disk_full_guard
 from omni_core.config import OmniFlowConfig, config_from_dict
 from omni_core.device import PROCESS_GROUP_BACKENDS
@@ -217,6 +217,13 @@ class TrainingActor:
                 logger.warning(
                     "%s has no EMA weights (%s.safetensors): the average starts at its trained weights", checkpoint, EMA_NAME
                 )
+        if self.trainer.old_policy is not None:
+            if (actor / f"{OLD_POLICY_NAME}.safetensors").is_file():
+                state["old_policy"] = read_tensors(actor, OLD_POLICY_NAME)
+            else:  # a checkpoint of a run without one: the old policy starts at its trained weights
+                logger.warning(
+                    "%s has no old policy (%s.safetensors): it starts at the trained weights", checkpoint, OLD_POLICY_NAME
+                )
         self.trainer.load_state_dict(state)
         return self.trainer.version
 
@@ -227,6 +234,8 @@ class TrainingActor:
         model = sum(t.numel() * t.element_size() for t in trainer.policy.state_dict_for_checkpoint().values())
         if trainer.ema is not None:  # ema.safetensors (fp32); the diffusers copy holds the average instead of the weights
             model += sum(t.numel() * t.element_size() for t in trainer.ema.average.values()) // 2
+        if trainer.old_policy is not None:  # old_policy.safetensors
+            model += sum(t.numel() * t.element_size() for t in trainer.old_policy.values()) // 2
         if "optimizer" not in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             return 2 * model
         optim = sum(
@@ -252,6 +261,8 @@ class TrainingActor:
             for name in (key for key in ("optimizer", "lr_scheduler", "grad_scaler") if key in state):
                 written.append(write_torch_state(actor, name, state[name]))
             written.append(write_torch_state(actor, "version", {"version": state["version"]}))
+            if "old_policy" in state:
+                written.append(write_tensors(actor, OLD_POLICY_NAME, state["old_policy"]))
             # The transformer (or LoRA adapter) in diffusers / peft format, loadable with from_pretrained: the EMA
             # weights when they are kept (what validation samples with and export ships), else the trained weights.
             if "ema" in state:

@@ -1,0 +1,185 @@
+"""The direct-preference family (verl-omni's `algorithm.trainer_type=direct_preference`): DiffusionNFT's keys and
+what it cannot be combined with. (Offline samples and preference pairs, Diffusion-DPO's, are refused by
+`omni_core.config.unsupported.REFUSED_WHEN_NOT_DEFAULT` until they are available.)
+
+DiffusionNFT is selected by verl-omni's four keys together: `model.algorithm=diffusion_nft` (its rollout: the ODE over
+the whole schedule, no log-probs), `model.model_type=diffusion_nft_model`, `diffusion_loss.loss_mode=diffusion_nft`
+and `algorithm.trainer_type=direct_preference`; its old policy is `model.policy_state_adapters=[default,old]` with
+`rollout.rollout_adapter=old`, as verl-omni requires.
+"""
+
+from __future__ import annotations
+
+from omni_core.config import ConfigProblem, OmniFlowConfig
+from omni_core.config.algorithm_names import FORWARD_PROCESS_ALGORITHMS, FORWARD_PROCESS_LOSSES
+from omni_core.config.schema import AlgorithmConfig, SdeAlgoConfig
+
+# algorithm keys only DiffusionNFT reads.
+NFT_ALGORITHM_KEYS = (
+    "timestep_fraction",
+    "adv_mode",
+    "old_policy_decay_schedule",
+    "old_policy_decay",
+    "old_policy_update_interval",
+)
+# rollout.algo keys of the SDE sampler, which DiffusionNFT's ODE rollout does not use.
+SDE_KEYS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "init_same_noise")
+ADAPTER_SETS = (("default",), ("default", "old"))
+
+
+def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    p: list[ConfigProblem] = []
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    model, loss_mode = arr.model, arr.actor.diffusion_loss.loss_mode
+    nft_rollout, nft_loss = model.algorithm in FORWARD_PROCESS_ALGORITHMS, loss_mode in FORWARD_PROCESS_LOSSES
+    nft = nft_rollout or nft_loss
+    model_type, trainer_type = FORWARD_PROCESS_ALGORITHMS.get(model.algorithm, ("diffusion_model", "policy_gradient"))
+    if nft_rollout != nft_loss:
+        key, value = (
+            ("actor_rollout_ref.model.algorithm", model.algorithm)
+            if nft_loss
+            else ("actor_rollout_ref.actor.diffusion_loss.loss_mode", loss_mode)
+        )
+        p.append(
+            ConfigProblem(
+                key,
+                "DiffusionNFT's loss trains on the final samples of its own rollout (the ODE over every step, no log-probs), "
+                "and that rollout records nothing a policy-gradient loss reads: set actor_rollout_ref.model.algorithm="
+                "diffusion_nft together with actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft, or neither",
+                value,
+            )
+        )
+        return p  # the keys below follow from these two
+    if model.model_type == "diffusion_dpo_model":
+        p.append(ConfigProblem("actor_rollout_ref.model.model_type", "Diffusion-DPO is not available yet", model.model_type))
+    elif model.model_type != model_type:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.model_type",
+                f"must be {model_type} with actor_rollout_ref.model.algorithm={model.algorithm} (verl-omni's engine of it)",
+                model.model_type,
+            )
+        )
+    if algo.trainer_type != trainer_type:
+        p.append(
+            ConfigProblem(
+                "algorithm.trainer_type",
+                f"must be {trainer_type} with actor_rollout_ref.model.algorithm={model.algorithm} (direct_preference is "
+                "DiffusionNFT's loop here; Diffusion-DPO is not available yet)",
+                algo.trainer_type,
+            )
+        )
+    p += _adapter_problems(config, nft)
+    if not nft:
+        defaults = AlgorithmConfig()
+        p += [
+            ConfigProblem(
+                f"algorithm.{key}",
+                "is read only by DiffusionNFT (actor_rollout_ref.model.algorithm=diffusion_nft); drop the key",
+                getattr(algo, key),
+            )
+            for key in NFT_ALGORITHM_KEYS
+            if getattr(algo, key) != getattr(defaults, key)
+        ]
+        return p
+    p += _nft_combination_problems(config)
+    return p
+
+
+def _adapter_problems(config: OmniFlowConfig, nft: bool) -> list[ConfigProblem]:
+    """`model.policy_state_adapters` and `rollout.rollout_adapter`: the old policy is DiffusionNFT's, on a LoRA adapter."""
+    arr = config.actor_rollout_ref
+    adapters, rollout_adapter = tuple(arr.model.policy_state_adapters), arr.rollout.rollout_adapter
+    key = "actor_rollout_ref.model.policy_state_adapters"
+    if adapters not in ADAPTER_SETS:
+        return [ConfigProblem(key, "must be [default] or [default, old] (DiffusionNFT's old policy)", list(adapters))]
+    has_old = "old" in adapters
+    if nft and not has_old:
+        return [ConfigProblem(key, "DiffusionNFT keeps an old policy next to the trained one: set [default,old]", list(adapters))]
+    if has_old and not nft:
+        message = "the old policy is read only by DiffusionNFT (loss_mode=diffusion_nft); set [default]"
+        return [ConfigProblem(key, message, list(adapters))]
+    p: list[ConfigProblem] = []
+    if has_old and arr.model.lora_rank <= 0:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.model.lora_rank",
+                "the old policy is a second LoRA adapter (as verl-omni's): set lora_rank > 0 with policy_state_adapters "
+                "[default,old]",
+                arr.model.lora_rank,
+            )
+        )
+    if has_old and rollout_adapter != "old":
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.rollout_adapter",
+                "with an old policy the rollouts sample with it (verl-omni's requirement): set old",
+                rollout_adapter,
+            )
+        )
+    elif rollout_adapter == "old" and not has_old:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.rollout_adapter",
+                "samples with the old policy, which needs actor_rollout_ref.model.policy_state_adapters=[default,old]",
+                rollout_adapter,
+            )
+        )
+    return p
+
+
+def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """What DiffusionNFT cannot be combined with: the SDE sampler's keys, log-prob based corrections and penalties, and
+    (for now) rollouts outside the training ranks and sharded ranks."""
+    from omni_core.resources import uses_hybrid_engine
+
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    p: list[ConfigProblem] = []
+    sde_defaults = SdeAlgoConfig()
+    for key in SDE_KEYS:
+        value = getattr(arr.rollout.algo, key)
+        if value != getattr(sde_defaults, key):
+            p.append(
+                ConfigProblem(
+                    f"actor_rollout_ref.rollout.algo.{key}",
+                    "configures the SDE sampler, and DiffusionNFT's rollout is the ODE over every step; drop the key",
+                    list(value) if isinstance(value, tuple) else value,
+                )
+            )
+    rc = algo.rollout_correction
+    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
+        p.append(
+            ConfigProblem(
+                "algorithm.rollout_correction",
+                "corrects policy-gradient ratios with the rollout's log-probs; DiffusionNFT has neither: drop its keys",
+                {"bypass_mode": rc.bypass_mode, "rollout_is": rc.rollout_is, "rollout_rs": rc.rollout_rs},
+            )
+        )
+    if arr.actor.use_kl_loss:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.use_kl_loss",
+                "is the policy-gradient losses' KL penalty; DiffusionNFT's penalty towards the reference is "
+                "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef",
+                True,
+            )
+        )
+    if arr.actor.strategy == "fsdp2":  # (no hybrid engine either: the problem is the shards)
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.strategy",
+                "DiffusionNFT's old policy is swapped in as whole tensors, which fsdp2's shards are not; use torch or ddp",
+                arr.actor.strategy,
+            )
+        )
+    elif config.trainer.v1.trainer_mode != "sync" or not uses_hybrid_engine(config):
+        p.append(
+            ConfigProblem(
+                "trainer.v1.trainer_mode" if config.trainer.v1.trainer_mode != "sync" else "actor_rollout_ref.hybrid_engine",
+                "DiffusionNFT samples with its old policy inside the training ranks (verl's hybrid engine, sync mode); "
+                "rollout workers of their own cannot hold the old policy yet: use trainer.v1.trainer_mode=sync with "
+                "actor_rollout_ref.hybrid_engine=true (or null)",
+                config.trainer.v1.trainer_mode if config.trainer.v1.trainer_mode != "sync" else arr.hybrid_engine,
+            )
+        )
+    return p
