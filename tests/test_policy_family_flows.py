@@ -10,6 +10,9 @@ the same config (`flow_reference`): each step of this config is one on-policy mi
 Flow-GRPO's (ratio 1 inside the clip range, nothing masked: both are -A r), so its weights must end bit-identical to
 Flow-GRPO's; GRPO-Guard's ratio carries the step's scale s sigma and its loss 1 / s^2, MixGRPO trains other SDE
 windows (one per step for all samples) and DanceGRPO samples another SDE, so theirs must differ.
+
+DiffusionNFT, which shares neither the rollout nor the log-probs, has its own run: its old policy (a second LoRA
+adapter) samples the rollouts and gives the loss's old predictions.
 """
 
 from __future__ import annotations
@@ -62,3 +65,42 @@ def test_a_run_trains_with_the_algorithm_and_its_first_ratio_is_exactly_one(
     ours, flow_grpo = final_weights(ckpt), final_weights(reference_ckpt)
     assert ours.keys() == flow_grpo.keys()
     assert all(torch.equal(ours[k], flow_grpo[k]) for k in ours) == same_as_flow_grpo
+
+
+# DiffusionNFT as verl-omni's recipe selects it, on a LoRA adapter (its old policy is a second one).
+DIFFUSION_NFT = [
+    "actor_rollout_ref.model.algorithm=diffusion_nft",
+    "actor_rollout_ref.model.model_type=diffusion_nft_model",
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
+    "algorithm.trainer_type=direct_preference",
+    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
+    "actor_rollout_ref.rollout.rollout_adapter=old",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "algorithm.timestep_fraction=0.5",
+]
+
+
+def test_a_diffusion_nft_run_trains_on_policy_from_its_old_policy_and_checkpoints_it(flow_overrides, tmp_path):
+    """DiffusionNFT through the whole flow (its ODE rollout, sampled with the old policy, and the forward-process update):
+    with verl-omni's default `copy` refresh the old policy is the trained one at each step's start, so the old
+    predictions of every step equal the current ones exactly (`old_deviate` 0: the rollout and the update ran on the
+    old policy the refresh left); half the 4 schedule steps train per sample; the checkpoint holds the old policy next
+    to the model, equal to it."""
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    from omni_core.checkpoint.files import read_tensors
+
+    ckpt = tmp_path / "ckpt"
+    lean = [o for o in flow_overrides if not o.startswith("actor_rollout_ref.rollout.algo.sde_window_range")]
+    overrides = [*lean, *DIFFUSION_NFT, "trainer.val_before_train=false", f"trainer.default_local_dir={ckpt}"]
+    state = main_diffusion_v1(overrides=overrides, return_state=True)
+    assert state.is_completed(), state.message
+    records = _records(ckpt)
+    assert [r["actor/old_deviate"] for r in records] == [0.0, 0.0]
+    assert all(r["actor/old_policy_refreshed"] == 1.0 and r["actor/old_policy_decay"] == 0.0 for r in records)
+    assert all(0.0 < r["actor/reward_prob_mean"] < 1.0 and r["actor/grad_norm"] > 0 for r in records)
+    assert "actor/pg_loss" not in records[0] and "actor/ratio_mean" not in records[0]  # no policy-gradient terms
+    actor = ckpt / "global_step_2" / "actor"
+    model, old = read_tensors(actor, "model"), read_tensors(actor, "old_policy")
+    assert model.keys() == old.keys() and all(torch.equal(model[k], old[k]) for k in model)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.config.algorithm_names import REFUSED_ROLLOUT_RS_OPTIONS, ROLLOUT_RS_OPTIONS
+from omni_core.config.algorithm_names import FORWARD_PROCESS_ALGORITHMS, REFUSED_ROLLOUT_RS_OPTIONS, ROLLOUT_RS_OPTIONS
 
 
 def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     p: list[ConfigProblem] = []
     rollout = config.actor_rollout_ref.rollout
-    # The last step has sigma_next = 0 and cannot be an SDE step.
+    # The last step has sigma_next = 0 and cannot be an SDE step. A forward-process algorithm (DiffusionNFT) samples
+    # the ODE over every step and reads no window (validation.direct_preference refuses window keys set for it).
     steps = rollout.pipeline.num_inference_steps
     window, window_range = rollout.algo.sde_window_size, rollout.algo.sde_window_range
+    if config.actor_rollout_ref.model.algorithm in FORWARD_PROCESS_ALGORITHMS:
+        window, window_range = None, None
     if window is not None and window > steps - 1:
         p.append(
             ConfigProblem(
