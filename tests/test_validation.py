@@ -171,6 +171,8 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     ([*NFT, "actor_rollout_ref.rollout.algo.sde_window_size=3"], "actor_rollout_ref.rollout.algo.sde_window_size", "ODE"),
     ([*NFT, "actor_rollout_ref.actor.use_kl_loss=true"], "actor_rollout_ref.actor.use_kl_loss", "ref_kl_coef"),
     ([*NFT, "actor_rollout_ref.actor.strategy=fsdp2", "trainer.n_gpus_per_node=2"], "actor_rollout_ref.actor.strategy", "fsdp2"),
+    ([*NFT, "actor_rollout_ref.rollout.agent.num_workers=2"], "actor_rollout_ref.rollout.agent.num_workers", "old policy"),
+    ([*NFT, "actor_rollout_ref.hybrid_engine=false"], "actor_rollout_ref.hybrid_engine", "old policy"),
     (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
     (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "sde_type=dance_sde"),
     (["algorithm.rollout_correction.rollout_rs=seq_mean_k9"], "algorithm.rollout_correction.rollout_rs", "unknown option"),

@@ -1,5 +1,6 @@
 """verl-omni's recipes, carried over unchanged, through `omniflow validate`: the flowgrpo v1 recipes (SD3.5) and the
-GRPO-Guard and Flow-DPPO recipes (Qwen-Image; their algorithm keys are accepted and select the same loss).
+GRPO-Guard, Flow-DPPO, MixGRPO, rollout-correction and DiffusionNFT recipes (Qwen-Image; their algorithm keys are
+accepted and select the same algorithm).
 
 `tests/data/verl_omni_recipes/<name>.txt` holds the key=value arguments of a verl-omni recipe's
 `main_diffusion_v1` command, one per line, exactly as the shell passes them (see each file's header for
@@ -67,6 +68,8 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "run_qwen_image_ocr_lora_flowdppo": REFUSED_QWEN_IMAGE,
     "run_qwen_image_ocr_lora_mixgrpo": REFUSED_QWEN_IMAGE,
     "run_qwen_image_ocr_lora_rollout_corr": REFUSED_QWEN_IMAGE,
+    # DiffusionNFT's recipe sets a clip ratio, which its loss does not read (it has no ratio).
+    "run_qwen_image_ocr_lora_diffusionnft": REFUSED_QWEN_IMAGE | {"actor_rollout_ref.actor.diffusion_loss.clip_ratio"},
 }
 # Each recipe's script in verl-omni's examples/ (the data file's header names it).
 SCRIPTS = {
@@ -76,6 +79,7 @@ SCRIPTS = {
     "run_qwen_image_ocr_lora_flowdppo": "flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
     "run_qwen_image_ocr_lora_mixgrpo": "mixgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_mixgrpo.sh",
     "run_qwen_image_ocr_lora_rollout_corr": "flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_rollout_corr.sh",
+    "run_qwen_image_ocr_lora_diffusionnft": "diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
 }
 
 # Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
@@ -208,3 +212,27 @@ def test_a_policy_gradient_family_recipe_selects_its_loss_by_the_same_keys(name,
             2,
             (0, 5),
         )
+
+
+def test_the_diffusion_nft_recipe_selects_diffusion_nft_by_the_same_keys(local_paths):
+    """Without the refused keys and the rank count, verl-omni's DiffusionNFT recipe validates with its DiffusionNFT keys
+    at the recipe's values: the ODE rollout with the old policy, the forward-process loss and its old-policy schedule."""
+    name = "run_qwen_image_ocr_lora_diffusionnft"
+    kept = [
+        o
+        for o in localised(name, local_paths)
+        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
+        and not _key(o).startswith(("trainer.n_gpus_per_node", "actor_rollout_ref.rollout.agent.num_workers"))
+    ]  # one rank here, with its one rollout worker in it (the hybrid engine, which DiffusionNFT's old policy needs)
+    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    assert (arr.model.algorithm, arr.model.model_type, arr.actor.diffusion_loss.loss_mode) == (
+        "diffusion_nft",
+        "diffusion_nft_model",
+        "diffusion_nft",
+    )
+    assert arr.model.policy_state_adapters == ("default", "old") and arr.rollout.rollout_adapter == "old"
+    loss = arr.actor.diffusion_loss
+    assert (loss.mix_beta, loss.ref_kl_coef, loss.adv_clip_max) == (0.1, 0.0001, 5.0)
+    assert (algo.trainer_type, algo.timestep_fraction, algo.adv_mode) == ("direct_preference", 1.0, "continuous")
+    assert (algo.old_policy_decay_schedule, algo.old_policy_update_interval) == ("delayed_linear_to_0_999", 2)

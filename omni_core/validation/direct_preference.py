@@ -173,13 +173,23 @@ def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             )
         )
     elif config.trainer.v1.trainer_mode != "sync" or not uses_hybrid_engine(config):
+        from omni_core.resources import hybrid_engine_obstacles
+
+        obstacles = hybrid_engine_obstacles(config)
+        key, why = obstacles[0] if obstacles else ("actor_rollout_ref.hybrid_engine", "it is set to false")
         p.append(
             ConfigProblem(
-                "trainer.v1.trainer_mode" if config.trainer.v1.trainer_mode != "sync" else "actor_rollout_ref.hybrid_engine",
-                "DiffusionNFT samples with its old policy inside the training ranks (verl's hybrid engine, sync mode); "
-                "rollout workers of their own cannot hold the old policy yet: use trainer.v1.trainer_mode=sync with "
-                "actor_rollout_ref.hybrid_engine=true (or null)",
-                config.trainer.v1.trainer_mode if config.trainer.v1.trainer_mode != "sync" else arr.hybrid_engine,
+                key,
+                f"DiffusionNFT samples with its old policy inside the training ranks (verl's hybrid engine, sync mode), "
+                f"and here {why}; rollout workers of their own cannot hold the old policy yet",
+                _value(config, key),
             )
         )
     return p
+
+
+def _value(config: OmniFlowConfig, key: str) -> object:
+    node: object = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
