@@ -207,3 +207,30 @@ def test_the_old_policy_is_swapped_in_and_back_bit_for_bit_and_saved_with_the_st
     fresh = _trainer(tiny_sd3_dir, *NFT)
     fresh.load_state_dict(state)
     assert all(torch.equal(fresh.old_policy[k], trainer.old_policy[k]) for k in live)
+
+
+def test_a_diffusion_nft_trainer_resumed_from_its_state_trains_the_next_step_bit_for_bit(tiny_sd3_dir, one_torch_thread):
+    """Three steps in one go against two steps, the state dict, a fresh trainer and the third: the same weights and old
+    policy, bit for bit. With a decay of 0.5 the old policy is not the trained one, so the third step's rollout (sampled
+    with it) and its old predictions need the saved old policy; its timestep subsets and forward noise are seeded by
+    the step."""
+    extra = [*NFT, "algorithm.old_policy_decay=0.5", "algorithm.timestep_fraction=0.5"]
+    params = SamplingParams.for_training(_trainer(tiny_sd3_dir, *extra).config.actor_rollout_ref.rollout, "diffusion_nft")
+
+    def step(trainer: PolicyTrainer, s: int) -> None:
+        with trainer.old_policy_loaded():  # the rollout samples with the old policy (rollout_adapter=old)
+            traj = generate(trainer.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(s))
+        trainer.train_on(traj, torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), s)
+
+    whole = _trainer(tiny_sd3_dir, *extra)
+    step(whole, 1)
+    step(whole, 2)
+    saved = copy.deepcopy(whole.state_dict())
+    assert not all(torch.equal(saved["old_policy"][k], saved["model"][k]) for k in saved["model"])  # old != trained
+    step(whole, 3)
+    resumed = _trainer(tiny_sd3_dir, *extra)
+    resumed.load_state_dict(saved)
+    step(resumed, 3)
+    for name in ("model", "old_policy"):
+        a, b = whole.state_dict()[name], resumed.state_dict()[name]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
