@@ -68,3 +68,29 @@ def test_make_tiny_model_cli_writes_a_pipeline_diffusers_loads(tmp_path):
 
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "tiny-sd3"))
     assert sum(p.numel() for p in pipe.transformer.parameters()) == 2_292_544
+
+
+def test_a_diffusion_nft_checkpoint_holds_and_restores_the_old_policy(tiny_sd3_dir, one_torch_thread, tmp_path, caplog):
+    from test_policy_trainer import NFT
+
+    cfg = load_config(overrides=[*SMALL, f"actor_rollout_ref.model.path={tiny_sd3_dir}", *NFT, "algorithm.old_policy_decay=0.5"])
+    actor = TrainingActor(cfg.model_dump(mode="json"), total_training_steps=4, num_threads=1, text_encoders=True)
+    params = SamplingParams.for_training(cfg.actor_rollout_ref.rollout, "diffusion_nft")
+
+    def train(step: int) -> None:
+        traj = generate(actor.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(step))
+        actor.train_on(traj, torch.linspace(-1, 1, 8), step)
+
+    train(1)
+    old = {k: v.clone() for k, v in actor.trainer.old_policy.items()}
+    written = actor.save(str(tmp_path))
+    assert str(tmp_path / "actor" / "old_policy.safetensors") in written  # one of the checkpoint's files
+    train(2)
+    assert actor.reset(str(tmp_path)) == 1
+    assert all(torch.equal(old[k], v) for k, v in actor.trainer.old_policy.items())
+    # A checkpoint of a run without an old policy: it starts at the loaded weights, and the log says so.
+    (tmp_path / "actor" / "old_policy.safetensors").unlink()
+    assert actor.reset(str(tmp_path)) == 1
+    trained = actor.trainer.trainable_state()
+    assert all(torch.equal(trained[k], v) for k, v in actor.trainer.old_policy.items())
+    assert "has no old policy" in caplog.text
