@@ -161,7 +161,8 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     ),
     ([*NFT, "actor_rollout_ref.rollout.rollout_adapter=default"], "actor_rollout_ref.rollout.rollout_adapter", "set old"),
     (["actor_rollout_ref.rollout.rollout_adapter=old"], "actor_rollout_ref.rollout.rollout_adapter", "policy_state_adapters"),
-    (["algorithm.timestep_fraction=0.5"], "algorithm.timestep_fraction", "read only by DiffusionNFT"),
+    (["algorithm.timestep_fraction=0.5"], "algorithm.timestep_fraction", "sde_window_size"),
+    (["algorithm.old_policy_decay=0.5"], "algorithm.old_policy_decay", "read only by DiffusionNFT"),
     (["actor_rollout_ref.actor.diffusion_loss.mix_beta=0.1"], "actor_rollout_ref.actor.diffusion_loss.mix_beta", "diffusion_nft"),
     (
         [*NFT, "actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5"],

@@ -22,6 +22,11 @@ NFT_ALGORITHM_KEYS = (
     "old_policy_decay",
     "old_policy_update_interval",
 )
+# What a policy-gradient run trains instead of a fraction of the steps (DanceGRPO's own code calls it timestep_fraction).
+TRAINED_STEPS = (
+    " (a policy-gradient run, DanceGRPO included, trains the steps of each sample's SDE window: "
+    "actor_rollout_ref.rollout.algo.sde_window_size of rollout.pipeline.num_inference_steps)"
+)
 # rollout.algo keys of the SDE sampler, which DiffusionNFT's ODE rollout does not use.
 SDE_KEYS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "init_same_noise")
 ADAPTER_SETS = (("default",), ("default", "old"))
@@ -75,7 +80,8 @@ def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         p += [
             ConfigProblem(
                 f"algorithm.{key}",
-                "is read only by DiffusionNFT (actor_rollout_ref.model.algorithm=diffusion_nft); drop the key",
+                "is read only by DiffusionNFT (actor_rollout_ref.model.algorithm=diffusion_nft), as in verl-omni; drop the "
+                "key" + (TRAINED_STEPS if key == "timestep_fraction" else ""),
                 getattr(algo, key),
             )
             for key in NFT_ALGORITHM_KEYS
