@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from omni_core.checkpoint.trained import open_trained_checkpoint
+from omni_core.config import load_config
 from omni_core.evaluation import load_checkpoint_weights
 from omni_core.models.policy import FlowPolicy
 from omni_core.recipes.procedural_geneval.data import DataDesign, write_prompt_file
@@ -83,8 +85,21 @@ def prepare_data(root: str | Path, design: DataDesign, model_seed: int = 0) -> P
 
 
 def load_model(model_dir: str | Path, checkpoint: str | Path | None = None) -> FlowPolicy:
-    """The pipeline in `model_dir`, with a training checkpoint's weights (its EMA when it kept one) if given."""
-    policy = FlowPolicy(model_dir, trainable=False, device=default_device())
+    """The pipeline in `model_dir`, with a training checkpoint's weights (its EMA when it kept one) if given. A LoRA
+    run's checkpoint (`model.lora_rank` > 0: DiffusionNFT's, or a Flow-GRPO run set so) holds an adapter: the one its
+    saved config describes (rank, alpha, target modules) is attached first."""
+    lora: dict = {}
+    if checkpoint is not None:
+        ckpt = open_trained_checkpoint(checkpoint)
+        if ckpt.is_lora:
+            model = load_config([ckpt.config_file]).actor_rollout_ref.model
+            lora = {
+                "lora_rank": model.lora_rank,
+                "lora_alpha": model.lora_alpha,
+                "lora_init_weights": model.lora_init_weights,
+                "target_modules": model.target_modules,
+            }
+    policy = FlowPolicy(model_dir, trainable=False, device=default_device(), **lora)
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint)
     return policy
