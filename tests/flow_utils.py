@@ -19,6 +19,17 @@ SMALL_ACTOR_STEP = [
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
 ]
+# DiffusionNFT as verl-omni's recipe selects it, on a LoRA adapter (its old policy is a second one).
+DIFFUSION_NFT = [
+    "actor_rollout_ref.model.algorithm=diffusion_nft",
+    "actor_rollout_ref.model.model_type=diffusion_nft_model",
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
+    "algorithm.trainer_type=direct_preference",
+    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
+    "actor_rollout_ref.rollout.rollout_adapter=old",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+]
 # The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
 # ... sharded instead (actor.strategy=fsdp2): the session's two-rank flow reference (conftest.two_rank_reference).

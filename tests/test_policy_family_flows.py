@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flow_utils import final_weights
+from flow_utils import DIFFUSION_NFT, final_weights
 
 from omni_core.tracking import read_jsonl
 
@@ -67,20 +67,6 @@ def test_a_run_trains_with_the_algorithm_and_its_first_ratio_is_exactly_one(
     assert all(torch.equal(ours[k], flow_grpo[k]) for k in ours) == same_as_flow_grpo
 
 
-# DiffusionNFT as verl-omni's recipe selects it, on a LoRA adapter (its old policy is a second one).
-DIFFUSION_NFT = [
-    "actor_rollout_ref.model.algorithm=diffusion_nft",
-    "actor_rollout_ref.model.model_type=diffusion_nft_model",
-    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
-    "algorithm.trainer_type=direct_preference",
-    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
-    "actor_rollout_ref.rollout.rollout_adapter=old",
-    "actor_rollout_ref.model.lora_rank=4",
-    "actor_rollout_ref.model.lora_alpha=8",
-    "algorithm.timestep_fraction=0.5",
-]
-
-
 def test_a_diffusion_nft_run_trains_on_policy_from_its_old_policy_and_checkpoints_it(flow_overrides, tmp_path):
     """DiffusionNFT through the whole flow (its ODE rollout, sampled with the old policy, and the forward-process update):
     with verl-omni's default `copy` refresh the old policy is the trained one at each step's start, so the old
@@ -93,7 +79,13 @@ def test_a_diffusion_nft_run_trains_on_policy_from_its_old_policy_and_checkpoint
 
     ckpt = tmp_path / "ckpt"
     lean = [o for o in flow_overrides if not o.startswith("actor_rollout_ref.rollout.algo.sde_window_range")]
-    overrides = [*lean, *DIFFUSION_NFT, "trainer.val_before_train=false", f"trainer.default_local_dir={ckpt}"]
+    overrides = [
+        *lean,
+        *DIFFUSION_NFT,
+        "algorithm.timestep_fraction=0.5",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={ckpt}",
+    ]
     state = main_diffusion_v1(overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
     records = _records(ckpt)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flow_utils import SMALL_ACTOR_STEP
+from flow_utils import DIFFUSION_NFT, SMALL_ACTOR_STEP
 
 from omni_core.config import load_config
 from omni_core.rollout.sampler import generate
@@ -139,17 +139,7 @@ def _is_module(name: str) -> bool:
         return False
 
 
-# DiffusionNFT as verl-omni's recipe selects it, with a LoRA old policy.
-NFT = [
-    "actor_rollout_ref.model.algorithm=diffusion_nft",
-    "actor_rollout_ref.model.model_type=diffusion_nft_model",
-    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
-    "algorithm.trainer_type=direct_preference",
-    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
-    "actor_rollout_ref.rollout.rollout_adapter=old",
-    "actor_rollout_ref.model.lora_rank=4",
-    "actor_rollout_ref.model.lora_alpha=8",
-]
+NFT = DIFFUSION_NFT  # verl-omni's DiffusionNFT keys, with a LoRA old policy
 
 
 def _flow_matching_error(trainer: PolicyTrainer, traj, t: float = 0.6) -> torch.Tensor:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import torch
-from flow_utils import SMALL_ACTOR_STEP
+from flow_utils import DIFFUSION_NFT, SMALL_ACTOR_STEP
 
 from omni_core.config import load_config
 from omni_core.rollout.sampler import generate
@@ -71,9 +71,9 @@ def test_make_tiny_model_cli_writes_a_pipeline_diffusers_loads(tmp_path):
 
 
 def test_a_diffusion_nft_checkpoint_holds_and_restores_the_old_policy(tiny_sd3_dir, one_torch_thread, tmp_path, caplog):
-    from test_policy_trainer import NFT
-
-    cfg = load_config(overrides=[*SMALL, f"actor_rollout_ref.model.path={tiny_sd3_dir}", *NFT, "algorithm.old_policy_decay=0.5"])
+    cfg = load_config(
+        overrides=[*SMALL, f"actor_rollout_ref.model.path={tiny_sd3_dir}", *DIFFUSION_NFT, "algorithm.old_policy_decay=0.5"]
+    )
     actor = TrainingActor(cfg.model_dump(mode="json"), total_training_steps=4, num_threads=1, text_encoders=True)
     params = SamplingParams.for_training(cfg.actor_rollout_ref.rollout, "diffusion_nft")
 

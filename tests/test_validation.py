@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from flow_utils import DIFFUSION_NFT
 
 from omni_core.config import ConfigError, load_config
 from omni_core.device import auto_set_device
@@ -11,17 +12,7 @@ from omni_core.validation import config_problems, validate_attention_consistency
 
 CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
 
-# DiffusionNFT as verl-omni's recipe selects it (a valid config with the model override).
-NFT = [
-    "actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft",
-    "actor_rollout_ref.model.algorithm=diffusion_nft",
-    "actor_rollout_ref.model.model_type=diffusion_nft_model",
-    "algorithm.trainer_type=direct_preference",
-    "actor_rollout_ref.model.policy_state_adapters=[default,old]",
-    "actor_rollout_ref.rollout.rollout_adapter=old",
-    "actor_rollout_ref.model.lora_rank=4",
-    "actor_rollout_ref.model.lora_alpha=8",
-]
+NFT = DIFFUSION_NFT  # verl-omni's DiffusionNFT keys (a valid config with the model override)
 # (overrides, key path that the error must name, a fragment of the message)
 BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     # unknown keys, typos and unsupported verl-omni keys / values
@@ -148,7 +139,7 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     (["actor_rollout_ref.model.algorithm=sd3_dpo"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
     # DiffusionNFT: verl-omni's selecting keys together, its old policy on LoRA, and nothing of the SDE sampler.
     (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "or neither"),
-    ([NFT[0], *NFT[2:]], "actor_rollout_ref.model.algorithm", "diffusion_nft together with"),
+    ([o for o in NFT if "model.algorithm" not in o], "actor_rollout_ref.model.algorithm", "diffusion_nft together with"),
     ([*NFT, "actor_rollout_ref.model.model_type=diffusion_model"], "actor_rollout_ref.model.model_type", "diffusion_nft_model"),
     ([*NFT, "actor_rollout_ref.model.model_type=diffusion_dpo_model"], "actor_rollout_ref.model.model_type", "not available"),
     ([*NFT, "algorithm.trainer_type=policy_gradient"], "algorithm.trainer_type", "must be direct_preference"),
