@@ -80,7 +80,7 @@ R = [0.9, 0.25]
 BETA, CLIP, WMIN = 0.3, 5.0, 1e-5
 
 
-def _expected(r=R, ref_kl_coef=0.0) -> float:
+def _expected(r=R, ref_kl_coef=0.0, floor=WMIN) -> float:
     """Eq. 8 in velocity space with verl-omni's weights: x0_hat - x0 = t (v - v_hat), so each branch's error is
     t^2 mean((v_hat - v)^2) over its adaptive weight t mean|v_hat - v|; times c / beta, mean over samples."""
     total, ref = 0.0, 0.0
@@ -92,19 +92,18 @@ def _expected(r=R, ref_kl_coef=0.0) -> float:
         branch = []
         for v_hat in (v_pos, v_neg):
             sq = sum((t * (v_hat[k] - v[k])) ** 2 for k in range(3)) / 3
-            w = max(sum(abs(t * (v_hat[k] - v[k])) for k in range(3)) / 3, WMIN)
+            w = max(sum(abs(t * (v_hat[k] - v[k])) for k in range(3)) / 3, floor)
             branch.append(sq / w)
         total += r[i] * branch[0] + (1 - r[i]) * branch[1]
         ref += sum((V_THETA[i][k] - V_REF[i][k]) ** 2 for k in range(3)) / 3
     return CLIP * total / 2 / BETA + ref_kl_coef * ref / 2
 
 
-def _loss(r=R, ref_kl_coef=0.0, v_theta=None):
+def _loss(r=R, ref_kl_coef=0.0, floor=WMIN):
     x0, noise, t = torch.tensor(X0), torch.tensor(NOISE), torch.tensor(T)
     x_t, _ = forward_process(x0, noise, t)
-    v = torch.tensor(V_THETA) if v_theta is None else v_theta
     return nft_loss(
-        v,
+        torch.tensor(V_THETA),
         torch.tensor(V_OLD),
         x0,
         x_t,
@@ -112,7 +111,7 @@ def _loss(r=R, ref_kl_coef=0.0, v_theta=None):
         torch.tensor(r),
         mix_beta=BETA,
         adv_clip_max=CLIP,
-        adaptive_weight_min=WMIN,
+        adaptive_weight_min=floor,
         ref_velocity=torch.tensor(V_REF),
         ref_kl_coef=ref_kl_coef,
     )
@@ -134,27 +133,10 @@ def test_the_adaptive_weight_has_its_floor():
     # the floor, not ~0 (no division by zero).
     loss, _ = nft_loss(v, v, x0, x_t, t, torch.tensor(R), mix_beta=BETA, adv_clip_max=CLIP, adaptive_weight_min=WMIN)
     assert math.isfinite(float(loss)) and abs(float(loss)) < 1e-6
-    # A floor above every mean |error|: both weights are the floor, so each branch is t^2 mean((v_hat - v)^2) / floor.
-    floor = 10.0
-    loss, _ = nft_loss(
-        torch.tensor(V_THETA),
-        torch.tensor(V_OLD),
-        x0,
-        x_t,
-        t,
-        torch.tensor(R),
-        mix_beta=BETA,
-        adv_clip_max=CLIP,
-        adaptive_weight_min=floor,
-    )
-    total = 0.0
-    for i in range(2):
-        v_i = [NOISE[i][k] - X0[i][k] for k in range(3)]
-        pos = [BETA * V_THETA[i][k] + (1 - BETA) * V_OLD[i][k] for k in range(3)]
-        neg = [(1 + BETA) * V_OLD[i][k] - BETA * V_THETA[i][k] for k in range(3)]
-        sq = [sum((T[i] * (h[k] - v_i[k])) ** 2 for k in range(3)) / 3 / floor for h in (pos, neg)]
-        total += R[i] * sq[0] + (1 - R[i]) * sq[1]
-    assert float(loss) == pytest.approx(CLIP * total / 2 / BETA, rel=1e-5)
+    # A floor above every mean |error| (each is below 10 here): both weights are the floor.
+    loss, _ = _loss(floor=10.0)
+    assert float(loss) == pytest.approx(_expected(floor=10.0), rel=1e-5)
+    assert float(loss) != pytest.approx(_expected(), rel=1e-2)  # the floor changed the value
 
 
 @pytest.mark.parametrize(("r", "towards"), [(1.0, True), (0.0, False)])

@@ -189,6 +189,8 @@ def test_the_old_policy_is_swapped_in_and_back_bit_for_bit_and_saved_with_the_st
     trainer.old_policy = {k: v.clone() for k, v in old.items()}
     with trainer.old_policy_loaded():
         assert all(torch.equal(live[k], old[k]) for k in live)
+        with pytest.raises(RuntimeError, match="does not nest"), trainer.old_policy_loaded():
+            pass
     assert all(torch.equal(live[k], trained[k]) for k in live)
     metrics = trainer.refresh_old_policy(3)  # decay 0.5: the mean of the two
     assert metrics == {"actor/old_policy_refreshed": 1.0, "actor/old_policy_decay": 0.5}

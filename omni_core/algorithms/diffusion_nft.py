@@ -27,7 +27,7 @@ Ideas credited to verl-omni ``verl_omni/trainer/diffusion/diffusion_algos.py`` (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -35,8 +35,6 @@ from torch import Tensor
 from omni_core.config.algorithm_names import ADV_MODE_NAMES, OLD_POLICY_DECAY_SCHEDULES
 
 __all__ = [
-    "ADV_MODES",
-    "OLD_POLICY_DECAY_SCHEDULES",
     "forward_process",
     "nft_loss",
     "old_policy_decay",
@@ -45,16 +43,15 @@ __all__ = [
     "select_train_timesteps",
 ]
 
-# algorithm.adv_mode: how the clipped advantage A in [-c, c] becomes r. continuous: as is; positive_only / negative_only:
-# the other sign set to 0 (r = 1/2 there); one_only: 1 where A > 0, else 0 (r = 1/2 + 1/(2c) or 1/2: verl-omni's
-# mapping, which leaves r below 1 for c > 1); binary: sign(A) (r = 1/2 +- 1/(2c)).
-ADV_MODES = ADV_MODE_NAMES
-
 
 def reward_probability(advantages: Tensor, adv_clip_max: float, adv_mode: str = "continuous") -> Tensor:
-    """The optimality probability ``r [b]`` in [0, 1] of each sample from its group advantage (module docstring)."""
-    if adv_mode not in ADV_MODES:
-        raise ValueError(f"unknown adv_mode {adv_mode!r}; choose one of {list(ADV_MODES)}")
+    """The optimality probability ``r [b]`` in [0, 1] of each sample from its group advantage (module docstring).
+
+    ``adv_mode`` (``ADV_MODE_NAMES``) maps the clipped advantage ``A`` first: continuous as is; positive_only /
+    negative_only set the other sign to 0 (r = 1/2 there); one_only gives 1 where A > 0, else 0 (r = 1/2 + 1/(2c) or
+    1/2: verl-omni's mapping, which leaves r below 1 for c > 1); binary gives sign(A) (r = 1/2 +- 1/(2c))."""
+    if adv_mode not in ADV_MODE_NAMES:
+        raise ValueError(f"unknown adv_mode {adv_mode!r}; choose one of {list(ADV_MODE_NAMES)}")
     if adv_clip_max <= 0:
         raise ValueError(f"adv_clip_max={adv_clip_max} must be positive")
     a = advantages.detach().float().clamp(-adv_clip_max, adv_clip_max)
@@ -158,11 +155,9 @@ def old_policy_decay(step: int, schedule: str, fixed: float | None = None) -> fl
 
 
 @torch.no_grad()
-def refresh_old_policy(
-    old: Mapping[str, Tensor], current: Mapping[str, Tensor], decay: float, keys: Iterable[str] | None = None
-) -> None:
+def refresh_old_policy(old: Mapping[str, Tensor], current: Mapping[str, Tensor], decay: float) -> None:
     """In place: ``old[k] <- decay * old[k] + (1 - decay) * current[k]`` for every key (a copy when ``decay`` is 0)."""
-    for key in old if keys is None else keys:
+    for key in old:
         target, source = old[key], current[key].detach().to(old[key].device, old[key].dtype)
         if decay == 0.0:
             target.copy_(source)

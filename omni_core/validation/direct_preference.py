@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.algorithm_names import FORWARD_PROCESS_ALGORITHMS, FORWARD_PROCESS_LOSSES
-from omni_core.config.schema import AlgorithmConfig, SdeAlgoConfig
+from omni_core.validation.refused import config_value, default_config
 
 # algorithm keys only DiffusionNFT reads.
 NFT_ALGORITHM_KEYS = (
@@ -76,7 +76,7 @@ def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         )
     p += _adapter_problems(config, nft)
     if not nft:
-        defaults = AlgorithmConfig()
+        defaults = default_config().algorithm
         p += [
             ConfigProblem(
                 f"algorithm.{key}",
@@ -141,7 +141,7 @@ def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
 
     arr, algo = config.actor_rollout_ref, config.algorithm
     p: list[ConfigProblem] = []
-    sde_defaults = SdeAlgoConfig()
+    sde_defaults = default_config().actor_rollout_ref.rollout.algo
     for key in SDE_KEYS:
         value = getattr(arr.rollout.algo, key)
         if value != getattr(sde_defaults, key):
@@ -188,14 +188,7 @@ def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 key,
                 f"DiffusionNFT samples with its old policy inside the training ranks (verl's hybrid engine, sync mode), "
                 f"and here {why}; rollout workers of their own cannot hold the old policy yet",
-                _value(config, key),
+                config_value(config, key),
             )
         )
     return p
-
-
-def _value(config: OmniFlowConfig, key: str) -> object:
-    node: object = config
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node

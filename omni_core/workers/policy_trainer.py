@@ -141,6 +141,9 @@ class PolicyTrainer:
         # trained one's at the start, refreshed after updates by algorithm.old_policy_*.
         keeps_old = "old" in arr.model.policy_state_adapters
         self.old_policy = {k: v.detach().clone() for k, v in self.trainable_state().items()} if keeps_old else None
+        # Where the trained values wait while the old policy is swapped in (every forward-process step): made once.
+        self._trained_aside = {k: torch.empty_like(v) for k, v in self.old_policy.items()} if keeps_old else None
+        self._old_policy_in = False
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule over the current trainable parameters (FSDP2 replaces them with shards)."""
@@ -198,15 +201,19 @@ class PolicyTrainer:
     def old_policy_loaded(self) -> Iterator[None]:
         """Within: the policy's trainable tensors hold the old policy (DiffusionNFT); the trained values, kept aside,
         are copied back on exit, bit for bit."""
-        if self.old_policy is None:
+        if self.old_policy is None or self._trained_aside is None:
             raise RuntimeError("no old policy is kept: set actor_rollout_ref.model.policy_state_adapters=[default,old]")
+        if self._old_policy_in:  # the one aside buffer would then hold the old values, not the trained ones
+            raise RuntimeError("old_policy_loaded() does not nest")
         live = self.trainable_state()
-        kept = {k: v.detach().clone() for k, v in live.items()}
+        refresh_old_policy(self._trained_aside, live, 0.0)
         refresh_old_policy(live, self.old_policy, 0.0)
+        self._old_policy_in = True
         try:
             yield
         finally:
-            refresh_old_policy(live, kept, 0.0)
+            refresh_old_policy(live, self._trained_aside, 0.0)
+            self._old_policy_in = False
 
     def refresh_old_policy(self, global_step: int) -> dict[str, float]:
         """After the update of `global_step`: `old <- d old + (1 - d) trained` every `algorithm.old_policy_update_interval`

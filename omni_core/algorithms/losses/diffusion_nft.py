@@ -29,7 +29,7 @@ class DiffusionNFTLoss:
         assert x.advantages is not None and x.velocity is not None and x.old_velocity is not None
         assert x.final_latents is not None and x.forward_latents is not None and x.forward_sigma is not None
         options = settings.options
-        reward_prob = reward_probability(x.advantages, settings.adv_clip_max, str(options.get("adv_mode", "continuous")))
+        reward_prob = reward_probability(x.advantages, settings.adv_clip_max, str(options["adv_mode"]))
         return nft_loss(
             x.velocity,
             x.old_velocity,
