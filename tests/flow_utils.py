@@ -30,6 +30,19 @@ DIFFUSION_NFT = [
     "actor_rollout_ref.model.lora_rank=4",
     "actor_rollout_ref.model.lora_alpha=8",
 ]
+# verl-omni's online Diffusion-DPO keys (its examples/dpo_trainer/qwen_image recipe's selectors), LoRA as the recipe.
+DIFFUSION_DPO = [
+    "actor_rollout_ref.model.algorithm=dpo",
+    "actor_rollout_ref.model.model_type=diffusion_dpo_model",
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo",
+    "algorithm.trainer_type=direct_preference",
+    "algorithm.sample_source=online",
+    "algorithm.paired_preference=true",
+    "actor_rollout_ref.rollout.calculate_log_probs=false",
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # a mini-batch is ppo_mini_batch_size pairs (2 x 2 samples)
+]
 # The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
 # ... sharded instead (actor.strategy=fsdp2): the session's two-rank flow reference (conftest.two_rank_reference).

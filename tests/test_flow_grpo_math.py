@@ -199,6 +199,7 @@ def test_registries_resolve_names_and_list_choices_for_unknown_ones():
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'gae'.*flow_grpo"):
         get_adv_estimator("gae")
     with pytest.raises(
-        ValueError, match=r"unknown loss mode 'dpo'.*\['dance_grpo', 'diffusion_nft', 'flow_dppo', 'flow_grpo', 'grpo_guard'\]"
+        ValueError,
+        match=r"unknown loss mode 'kto'.*\['dance_grpo', 'diffusion_nft', 'dpo', 'flow_dppo', 'flow_grpo', 'grpo_guard'\]",
     ):
-        get_policy_loss("dpo")
+        get_policy_loss("kto")

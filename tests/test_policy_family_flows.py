@@ -12,14 +12,16 @@ Flow-GRPO's; GRPO-Guard's ratio carries the step's scale s sigma and its loss 1 
 windows (one per step for all samples) and DanceGRPO samples another SDE, so theirs must differ.
 
 DiffusionNFT, which shares neither the rollout nor the log-probs, has its own run: its old policy (a second LoRA
-adapter) samples the rollouts and gives the loss's old predictions.
+adapter) samples the rollouts and gives the loss's old predictions. So has online Diffusion-DPO, on two data-parallel
+ranks each with its rollout worker: each prompt group's pair is made from samples of either worker and trained on one
+rank.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from flow_utils import DIFFUSION_NFT, final_weights
+from flow_utils import DIFFUSION_DPO, DIFFUSION_NFT, TWO_RANKS, final_weights
 
 from omni_core.tracking import read_jsonl
 
@@ -96,3 +98,36 @@ def test_a_diffusion_nft_run_trains_on_policy_from_its_old_policy_and_checkpoint
     actor = ckpt / "global_step_2" / "actor"
     model, old = read_tensors(actor, "model"), read_tensors(actor, "old_policy")
     assert model.keys() == old.keys() and all(torch.equal(model[k], old[k]) for k in model)
+
+
+def test_an_online_dpo_run_trains_each_groups_pair_on_two_ranks(flow_overrides, tmp_path):
+    """Online Diffusion-DPO through the whole flow on two ddp ranks, each with its rollout worker (the hybrid engine):
+    each step's 2 prompt groups of 4 samples (sampled by both workers) become 2 (chosen, rejected) pairs, one per rank.
+    LoRA starts at zero, so the first step's forwards are the reference's exactly: every pair's loss is log 2 and none is
+    implicitly right; the second step's differ. No policy-gradient term is computed."""
+    import math
+
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    ckpt = tmp_path / "ckpt"
+    lean = [o for o in flow_overrides if not o.startswith("actor_rollout_ref.rollout.algo.sde_window_range")]
+    overrides = [
+        *lean,
+        *DIFFUSION_DPO,
+        *TWO_RANKS,
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # one pair per rank and micro-batch
+        "actor_rollout_ref.actor.diffusion_loss.dpo_beta=100",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={ckpt}",
+    ]
+    state = main_diffusion_v1(overrides=overrides, return_state=True)
+    assert state.is_completed(), state.message
+    records = _records(ckpt)
+    assert len(records) == 2 and "actor/pg_loss" not in records[0] and "actor/ratio_mean" not in records[0]
+    first, second = records
+    assert first["actor/dpo_loss"] == pytest.approx(math.log(2.0), abs=1e-6) and first["actor/implicit_acc"] == 0.0
+    assert first["actor/rewards/margins"] == 0.0 and first["actor/grad_norm"] > 0
+    assert second["actor/dpo_loss"] != pytest.approx(math.log(2.0), abs=1e-6)
+    assert all(r["actor/dpo_tied_pairs"] == 0.0 for r in records)  # the jpeg reward never ties
+    assert (ckpt / "global_step_2" / "actor" / "model.safetensors").is_file()

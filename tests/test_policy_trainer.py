@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flow_utils import DIFFUSION_NFT, SMALL_ACTOR_STEP
+from flow_utils import DIFFUSION_DPO, DIFFUSION_NFT, SMALL_ACTOR_STEP
 
 from omni_core.config import load_config
 from omni_core.rollout.sampler import generate
@@ -179,6 +179,35 @@ def test_diffusion_nft_trains_on_its_ode_rollout_towards_the_better_samples(tiny
     change = _flow_matching_error(trainer, traj) - before
     better, worse = (change[0::2], change[1::2]) if sign > 0 else (change[1::2], change[0::2])
     assert better.mean() < worse.mean(), (better, worse)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_online_dpo_trains_its_pairs_towards_the_chosen_samples(tiny_sd3_dir, one_torch_thread, sign):
+    """The DPO rollout is the ODE with only the last step recorded (the final latents) and no log-probs; each group's
+    best and worst samples form a pair; at the first forwards the policy is the reference (LoRA starts at zero), so
+    every pair's loss is log 2; after the update the chosen samples' flow-matching error falls relative to the
+    rejected ones' (negating the rewards chooses the other samples, and the test then expects the opposite)."""
+    from omni_core.algorithms.diffusion_dpo import preference_pairs
+
+    trainer = _trainer(tiny_sd3_dir, *DIFFUSION_DPO, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    assert trainer.forward_process and trainer.old_policy is None and "old_velocity" not in trainer.needs
+    assert trainer.update_config(1).mini_batch_size == 4  # ppo_mini_batch_size=2 prompts x one pair each
+    params = SamplingParams.for_training(trainer.config.actor_rollout_ref.rollout, "dpo")
+    assert params.noise_level == 0.0 and not params.calculate_log_probs and not params.old_policy
+    traj = generate(trainer.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(1))
+    assert traj.window_size == 1 and torch.isnan(traj.log_probs).all()
+    assert torch.equal(traj.sigmas[:, -1], torch.zeros(8))  # the recorded step ends at the clean sample
+
+    rewards = sign * torch.tensor([0.1, 0.9, 0.5, 0.2, 0.3, 0.8, 0.4, 0.6])  # samples 0-3: prompt 0; 4-7: prompt 1
+    order, pair_rewards = preference_pairs(rewards, torch.zeros(8, dtype=torch.bool), torch.tensor([0] * 4 + [1] * 4))
+    assert order.tolist() == ([1, 0, 5, 4] if sign > 0 else [0, 1, 4, 5])
+    pairs = traj.index_select(order)
+    before = _flow_matching_error(trainer, pairs)
+    metrics = trainer.train_on(pairs, pair_rewards, 1)
+    assert metrics["actor/dpo_loss"] == pytest.approx(torch.log(torch.tensor(2.0)).item(), abs=1e-6)
+    assert metrics["actor/implicit_acc"] == 0.0 and metrics["actor/dpo_tied_pairs"] == 0.0
+    change = _flow_matching_error(trainer, pairs) - before
+    assert (change[0::2] - change[1::2]).mean() < 0, change  # the chosen samples are fitted relative to the rejected
 
 
 def test_the_old_policy_is_swapped_in_and_back_bit_for_bit_and_saved_with_the_state(tiny_sd3_dir, one_torch_thread):

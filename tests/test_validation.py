@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from flow_utils import DIFFUSION_NFT
+from flow_utils import DIFFUSION_DPO, DIFFUSION_NFT
 
 from omni_core.config import ConfigError, load_config
 from omni_core.device import auto_set_device
@@ -13,6 +13,7 @@ from omni_core.validation import config_problems, validate_attention_consistency
 CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
 
 NFT = DIFFUSION_NFT  # verl-omni's DiffusionNFT keys (a valid config with the model override)
+DPO = DIFFUSION_DPO  # verl-omni's online Diffusion-DPO keys (likewise)
 # (overrides, key path that the error must name, a fragment of the message)
 BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     # unknown keys, typos and unsupported verl-omni keys / values
@@ -134,14 +135,22 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "0 <= start < end",
     ),
     (["actor_rollout_ref.rollout.algo.sde_window_range=[0,1]"], "actor_rollout_ref.rollout.algo.sde_window_range", "narrower"),
-    (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "flow_grpo"),
+    (
+        ["actor_rollout_ref.actor.diffusion_loss.loss_mode=sd3_dpo"],
+        "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+        "flow_grpo",
+    ),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "flow_grpo"),
     (["actor_rollout_ref.model.algorithm=sd3_dpo"], "actor_rollout_ref.model.algorithm", "flow_grpo"),
     # DiffusionNFT: verl-omni's selecting keys together, its old policy on LoRA, and nothing of the SDE sampler.
-    (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "or neither"),
-    ([o for o in NFT if "model.algorithm" not in o], "actor_rollout_ref.model.algorithm", "diffusion_nft together with"),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "=diffusion_nft"),
+    ([o for o in NFT if "model.algorithm" not in o], "actor_rollout_ref.model.algorithm", "algorithm=diffusion_nft with it"),
     ([*NFT, "actor_rollout_ref.model.model_type=diffusion_model"], "actor_rollout_ref.model.model_type", "diffusion_nft_model"),
-    ([*NFT, "actor_rollout_ref.model.model_type=diffusion_dpo_model"], "actor_rollout_ref.model.model_type", "not available"),
+    (
+        [*NFT, "actor_rollout_ref.model.model_type=diffusion_dpo_model"],
+        "actor_rollout_ref.model.model_type",
+        "diffusion_nft_model",
+    ),
     ([*NFT, "algorithm.trainer_type=policy_gradient"], "algorithm.trainer_type", "must be direct_preference"),
     (["algorithm.trainer_type=direct_preference"], "algorithm.trainer_type", "must be policy_gradient"),
     ([*NFT, "actor_rollout_ref.model.lora_rank=0"], "actor_rollout_ref.model.lora_rank", "second LoRA adapter"),
@@ -165,6 +174,40 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     ([*NFT, "actor_rollout_ref.actor.strategy=fsdp2", "trainer.n_gpus_per_node=2"], "actor_rollout_ref.actor.strategy", "fsdp2"),
     ([*NFT, "actor_rollout_ref.rollout.agent.num_workers=2"], "actor_rollout_ref.rollout.agent.num_workers", "old policy"),
     ([*NFT, "actor_rollout_ref.hybrid_engine=false"], "actor_rollout_ref.hybrid_engine", "old policy"),
+    # Online Diffusion-DPO: verl-omni's selecting keys together, pairs of two samples at least, the ODE rollout, sync mode.
+    (["actor_rollout_ref.actor.diffusion_loss.loss_mode=dpo"], "actor_rollout_ref.model.algorithm", "algorithm=dpo with it"),
+    (["actor_rollout_ref.model.algorithm=dpo"], "actor_rollout_ref.actor.diffusion_loss.loss_mode", "set loss_mode=dpo"),
+    ([*DPO, "actor_rollout_ref.model.model_type=diffusion_model"], "actor_rollout_ref.model.model_type", "diffusion_dpo_model"),
+    ([o for o in DPO if "paired" not in o], "algorithm.paired_preference", "set it to true"),
+    (
+        ["algorithm.paired_preference=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+        "algorithm.paired_preference",
+        "flow_grpo is not",
+    ),
+    ([*DPO, "actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "Diffusion-DPO two"),
+    (
+        [*DPO, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "even",
+    ),
+    ([*DPO, "algorithm.sample_source=offline"], "algorithm.sample_source", "not available yet"),
+    ([*DPO, "actor_rollout_ref.rollout.algo.noise_level=0.3"], "actor_rollout_ref.rollout.algo.noise_level", "Diffusion-DPO's"),
+    ([*DPO, "actor_rollout_ref.actor.use_kl_loss=true"], "actor_rollout_ref.actor.use_kl_loss", "dpo_beta"),
+    (
+        [*DPO, "actor_rollout_ref.actor.diffusion_loss.adv_clip_max=2"],
+        "actor_rollout_ref.actor.diffusion_loss.adv_clip_max",
+        "dpo",
+    ),
+    (
+        [*DPO, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "inside the update",
+    ),
+    (
+        [*DPO, "actor_rollout_ref.model.policy_state_adapters=[default,old]", "actor_rollout_ref.rollout.rollout_adapter=old"],
+        "actor_rollout_ref.model.policy_state_adapters",
+        "only by DiffusionNFT",
+    ),
     (["actor_rollout_ref.model.algorithm=grpo_guard"], "actor_rollout_ref.model.algorithm", "the loss is actor_rollout_ref"),
     (["actor_rollout_ref.model.algorithm=dance_grpo"], "actor_rollout_ref.model.algorithm", "sde_type=dance_sde"),
     (["algorithm.rollout_correction.rollout_rs=seq_mean_k9"], "algorithm.rollout_correction.rollout_rs", "unknown option"),
@@ -396,6 +439,13 @@ def test_diffusion_nft_as_verl_omni_selects_it_is_valid(model):
         load_config(overrides=[model, *NFT, "algorithm.timestep_fraction=0.5", "algorithm.adv_mode=binary"]),
         device_counts=CPU_ONLY,
     )
+
+
+def test_online_dpo_as_verl_omni_selects_it_is_valid_with_or_without_the_hybrid_engine(model):
+    validate_config(
+        load_config(overrides=[model, *DPO, "actor_rollout_ref.actor.diffusion_loss.dpo_beta=100"]), device_counts=CPU_ONLY
+    )
+    validate_config(load_config(overrides=[model, *DPO, "actor_rollout_ref.hybrid_engine=false"]), device_counts=CPU_ONLY)
 
 
 def test_all_problems_are_reported_together(model):

@@ -68,8 +68,13 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     "run_qwen_image_ocr_lora_flowdppo": REFUSED_QWEN_IMAGE,
     "run_qwen_image_ocr_lora_mixgrpo": REFUSED_QWEN_IMAGE,
     "run_qwen_image_ocr_lora_rollout_corr": REFUSED_QWEN_IMAGE,
-    # DiffusionNFT's recipe sets a clip ratio, which its loss does not read (it has no ratio).
-    "run_qwen_image_ocr_lora_diffusionnft": REFUSED_QWEN_IMAGE | {"actor_rollout_ref.actor.diffusion_loss.clip_ratio"},
+    # DiffusionNFT's recipe sets a clip ratio, which its loss does not read (it has no ratio), and a reference micro-batch
+    # of 32 samples where its update's is 12 (the reference's velocity is computed inside the update, at its points).
+    "run_qwen_image_ocr_lora_diffusionnft": REFUSED_QWEN_IMAGE
+    | {"actor_rollout_ref.actor.diffusion_loss.clip_ratio", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"},
+    # Online Diffusion-DPO: the same serving, offload and rank keys, and model.external_lib, verl-omni's own module of its
+    # Qwen-Image DPO adapter (OmniFlow's is selected by model.algorithm=dpo); every DPO key is accepted.
+    "run_qwen_image_online_dpo_lora": REFUSED_QWEN_IMAGE | {"actor_rollout_ref.model.external_lib"},
 }
 # Each recipe's script in verl-omni's examples/ (the data file's header names it).
 SCRIPTS = {
@@ -80,6 +85,7 @@ SCRIPTS = {
     "run_qwen_image_ocr_lora_mixgrpo": "mixgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_mixgrpo.sh",
     "run_qwen_image_ocr_lora_rollout_corr": "flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_rollout_corr.sh",
     "run_qwen_image_ocr_lora_diffusionnft": "diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
+    "run_qwen_image_online_dpo_lora": "dpo_trainer/qwen_image/run_qwen_image_online_dpo_lora.sh",
 }
 
 # Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
@@ -224,6 +230,7 @@ def test_the_diffusion_nft_recipe_selects_diffusion_nft_by_the_same_keys(local_p
         if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
         and not _key(o).startswith(("trainer.n_gpus_per_node", "actor_rollout_ref.rollout.agent.num_workers"))
     ]  # one rank here, with its one rollout worker in it (the hybrid engine, which DiffusionNFT's old policy needs)
+    # (its reference micro-batch of 32 is refused above; the update's is the recipe's 12)
     config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
     arr, algo = config.actor_rollout_ref, config.algorithm
     assert (arr.model.algorithm, arr.model.model_type, arr.actor.diffusion_loss.loss_mode) == (
@@ -236,3 +243,27 @@ def test_the_diffusion_nft_recipe_selects_diffusion_nft_by_the_same_keys(local_p
     assert (loss.mix_beta, loss.ref_kl_coef, loss.adv_clip_max) == (0.1, 0.0001, 5.0)
     assert (algo.trainer_type, algo.timestep_fraction, algo.adv_mode) == ("direct_preference", 1.0, "continuous")
     assert (algo.old_policy_decay_schedule, algo.old_policy_update_interval) == ("delayed_linear_to_0_999", 2)
+
+
+def test_the_online_dpo_recipe_selects_diffusion_dpo_by_the_same_keys(local_paths):
+    """Without the refused keys and the rank count, verl-omni's online Diffusion-DPO recipe validates with its DPO keys at
+    the recipe's values: the ODE rollout without log-probs, the pairs, the DPO loss and its beta; a mini-batch of 16
+    prompts is 16 pairs (32 samples) in micro-batches of 8, and the reference runs in the update's micro-batches (8)."""
+    name = "run_qwen_image_online_dpo_lora"
+    kept = [
+        o
+        for o in localised(name, local_paths)
+        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
+        and not _key(o).startswith("trainer.n_gpus_per_node")
+    ]
+    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    assert (arr.model.algorithm, arr.model.model_type, arr.actor.diffusion_loss.loss_mode) == (
+        "dpo",
+        "diffusion_dpo_model",
+        "dpo",
+    )
+    assert (algo.trainer_type, algo.sample_source, algo.paired_preference) == ("direct_preference", "online", True)
+    assert arr.actor.diffusion_loss.dpo_beta == 100.0 and not arr.rollout.calculate_log_probs and arr.rollout.n == 16
+    assert (arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu) == (16, 8)
+    assert arr.ref.log_prob_micro_batch_size_per_gpu == 8 and arr.model.lora_rank == 64

@@ -10,7 +10,8 @@ micro-batch. It never asks which algorithm is running. The idea follows verl-omn
 
 Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*latent`` = the latent's shape):
 
-    from the step's data            old_log_prob [b], advantages [b], pair_index [b], rollout_weight [b] (rollout
+    from the step's data            old_log_prob [b], advantages [b], rewards [b] (a preference loss's: what orders a
+                                    pair), pair_index [b], rollout_weight [b] (rollout
                                     correction's weight, multiplied into the per-sample loss; None when off),
                                     old_prev_sample_mean [b, *latent] (the old policy's transition means, from the same
                                     no-grad pass as the old log-probs)
@@ -27,7 +28,13 @@ schedule sigmas ``t`` (`algorithm.timestep_fraction` of them per sample), fresh 
 
     forward_latents [b, *latent] = (1 - t) final_latents + t eps,      forward_sigma [b] = t,
     velocity / ref_velocity [b, *latent]   the current (with gradient) / reference policy's prediction there,
-    old_velocity [b, *latent]              the old policy's (`model.policy_state_adapters` old; no gradient).
+    old_velocity [b, *latent]              the old policy's (`model.policy_state_adapters` old; no gradient),
+    forward_noise [b, *latent] = eps.
+
+A forward-process loss says where its points lie with `forward_sigmas`: "rollout_schedule" (the default: `t` one of
+the rollout's schedule sigmas, a fresh `eps` per sample, `timestep_fraction` of the steps) or "train_schedule" (one
+point per group, its `t` drawn logit-normal from the model scheduler's training sigmas and its `eps` shared by the
+group's samples: Diffusion-DPO's pairs).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from torch import Tensor
 __all__ = [
     "DATA_INPUTS",
     "FORWARD_PROCESS_INPUTS",
+    "FORWARD_SIGMAS",
     "LOSS_INPUTS",
     "OPTIONAL_INPUTS",
     "REFERENCE_INPUTS",
@@ -48,6 +56,7 @@ __all__ = [
     "LossSettings",
     "PolicyLoss",
     "check_declared",
+    "forward_sigmas",
 ]
 
 
@@ -58,6 +67,7 @@ class LossInputs:
     log_prob: Tensor | None = None
     old_log_prob: Tensor | None = None
     advantages: Tensor | None = None
+    rewards: Tensor | None = None
     pair_index: Tensor | None = None  # [b] long: the group each sample belongs to (its rows are adjacent)
     old_prev_sample_mean: Tensor | None = None
     rollout_weight: Tensor | None = None  # [b]: rollout correction's IS x RS weight of each sample here; None: off
@@ -75,16 +85,18 @@ class LossInputs:
     forward_latents: Tensor | None = None
     forward_sigma: Tensor | None = None
     old_velocity: Tensor | None = None
+    forward_noise: Tensor | None = None
 
 
 LOSS_INPUTS = frozenset(f.name for f in fields(LossInputs))
 # The update loop's (from the step's data); the rest the step function's.
-DATA_INPUTS = frozenset({"old_log_prob", "advantages", "pair_index", "old_prev_sample_mean", "rollout_weight"})
+DATA_INPUTS = frozenset({"old_log_prob", "advantages", "rewards", "pair_index", "old_prev_sample_mean", "rollout_weight"})
 # Declared inputs that may stay None: the loss then runs without them (rollout correction off).
 OPTIONAL_INPUTS = frozenset({"rollout_weight"})
 REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
 # Declaring any of these makes the loss a forward-process loss (the step function noises the final samples afresh).
-FORWARD_PROCESS_INPUTS = frozenset({"forward_latents", "forward_sigma", "old_velocity"})
+FORWARD_PROCESS_INPUTS = frozenset({"forward_latents", "forward_sigma", "old_velocity", "forward_noise"})
+FORWARD_SIGMAS = ("rollout_schedule", "train_schedule")  # a forward-process loss's `forward_sigmas` (above)
 
 
 @dataclass(frozen=True)
@@ -118,4 +130,11 @@ def check_declared(name: str, loss: PolicyLoss, settings: LossSettings) -> froze
         raise ValueError(f"loss {name!r} declares inputs {unknown} that no one provides; on offer: {sorted(LOSS_INPUTS)}")
     if loss.group_size < 1:
         raise ValueError(f"loss {name!r} declares group_size={loss.group_size}; it must be >= 1")
+    if forward_sigmas(loss) not in FORWARD_SIGMAS:
+        raise ValueError(f"loss {name!r} declares forward_sigmas={forward_sigmas(loss)!r}; choose one of {FORWARD_SIGMAS}")
     return needs
+
+
+def forward_sigmas(loss: PolicyLoss) -> str:
+    """Where a forward-process loss's points lie (module docstring): its `forward_sigmas`, by default the rollout's."""
+    return str(getattr(loss, "forward_sigmas", FORWARD_SIGMAS[0]))

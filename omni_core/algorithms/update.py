@@ -76,9 +76,9 @@ class StepOutput:
         ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
         latents, next_latents, sigma, next_sigma, final_latents, sqrt_dt: the stored trajectory's, for a loss that
             declares them (see ``LossInputs``).
-        forward_latents, forward_sigma, old_velocity: a forward-process loss's point and the old policy's velocity
-            there (``velocity`` / ``ref_velocity`` are then the current / reference policy's at that point); such a
-            step has no transition, so ``log_prob``, ``prev_sample_mean`` and ``std_dev_t`` stay None.
+        forward_latents, forward_sigma, forward_noise, old_velocity: a forward-process loss's point, the noise that
+            made it and the old policy's velocity there (``velocity`` / ``ref_velocity`` are then the current /
+            reference policy's at that point); such a step has no transition, so ``log_prob``, ``prev_sample_mean`` and ``std_dev_t`` stay None.
     A step function fills the optional fields the active loss declares (``LossInputs``); the others stay None.
     """
 
@@ -96,6 +96,7 @@ class StepOutput:
     sqrt_dt: Tensor | None = None
     forward_latents: Tensor | None = None
     forward_sigma: Tensor | None = None
+    forward_noise: Tensor | None = None
     old_velocity: Tensor | None = None
 
     @property
@@ -221,6 +222,8 @@ def _loss_inputs(
         values["old_prev_sample_mean"] = micro["old_prev_sample_means"][:, j].to(device)
     if "rollout_weight" in needs:  # decoupled rollout correction's weights [B, W] (None: off, or bypass mode's below)
         values["rollout_weight"] = micro["rollout_weights"][:, j].to(device) if "rollout_weights" in micro else None
+    if "rewards" in needs:
+        values["rewards"] = micro["rewards"].to(device)
     if "advantages" in needs:
         adv = micro["advantages"]
         values["advantages"] = (adv[:, j] if adv.dim() == 2 else adv).to(device)

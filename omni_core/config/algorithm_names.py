@@ -19,6 +19,7 @@ __all__ = [
     "FORWARD_PROCESS_ALGORITHMS",
     "FORWARD_PROCESS_LOSSES",
     "OLD_POLICY_DECAY_SCHEDULES",
+    "PAIRED_LOSSES",
     "OLD_POLICY_DECAY_SCHEDULE_NAMES",
     "LOSSES",
     "LOSS_MODE_NAMES",
@@ -50,13 +51,20 @@ ADV_ESTIMATOR_NAMES = ("flow_grpo", "dance_grpo")  # algorithm.adv_estimator
 
 # actor_rollout_ref.model.algorithm: verl-omni's pipeline adapter of a model (`DiffusionModelBase.register(name,
 # algorithm=...)`: how it samples and scores transitions), not the loss. mix_grpo: Flow-GRPO's sampler with MixGRPO's
-# window schedule; diffusion_nft: the deterministic ODE over every step, no log-probs (DiffusionNFT's rollout).
-MODEL_ALGORITHM_NAMES = ("flow_grpo", "mix_grpo", "diffusion_nft")
+# window schedule; diffusion_nft: the deterministic ODE over every step, no log-probs (DiffusionNFT's rollout); dpo: the
+# same ODE, keeping only the final latents (Diffusion-DPO's rollout).
+MODEL_ALGORITHM_NAMES = ("flow_grpo", "mix_grpo", "diffusion_nft", "dpo")
 
 # Model algorithms whose rollout records no SDE transitions: trained by a forward-process loss (`FORWARD_PROCESS_LOSSES`),
 # with their own engine (`actor_rollout_ref.model.model_type`) and trainer loop (`algorithm.trainer_type`).
-FORWARD_PROCESS_ALGORITHMS = {"diffusion_nft": ("diffusion_nft_model", "direct_preference")}
-FORWARD_PROCESS_LOSSES = ("diffusion_nft",)
+FORWARD_PROCESS_ALGORITHMS = {
+    "diffusion_nft": ("diffusion_nft_model", "direct_preference"),
+    "dpo": ("diffusion_dpo_model", "direct_preference"),
+}
+# model.algorithm -> the loss_mode that trains on its rollout (and only on it).
+FORWARD_PROCESS_LOSSES = {"diffusion_nft": "diffusion_nft", "dpo": "dpo"}
+# The losses over (chosen, rejected) pairs: algorithm.paired_preference=true goes with them, and only with them.
+PAIRED_LOSSES = ("dpo",)
 
 # verl-omni's engine and trainer-loop selectors. OmniFlow's engine follows the loss's declared inputs and its loop the
 # trainer mode, so each value is implied by model.algorithm (FORWARD_PROCESS_ALGORITHMS); validation
@@ -93,6 +101,8 @@ LOSSES: dict[str, LossEntry] = {
         {"mix_beta": "positive_float", "ref_kl_coef": "non_negative_float", "adaptive_weight_min": "positive_float"},
         unread=("clip_ratio",),
     ),
+    # Diffusion-DPO on each prompt group's (chosen, rejected) pair: no ratio, no advantages.
+    "dpo": LossEntry("omni_core.algorithms.losses.dpo", {"dpo_beta": "positive_float"}, unread=("clip_ratio", "adv_clip_max")),
 }
 LOSS_MODE_NAMES = tuple(LOSSES)
 

@@ -144,7 +144,6 @@ REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
         "offline samples (a precomputed preference data set: verl-omni's offline Diffusion-DPO) are not available "
         "yet. Set it to online."
     ),
-    "algorithm.paired_preference": "preference pairs (verl-omni's Diffusion-DPO) are not available yet. Set it to false.",
     "data.dataloader_num_workers": (
         "prompts are held in memory after prepare_dataset checked them against the tokenizer; a loader worker "
         "has nothing to do. Set it to 0."

@@ -261,6 +261,14 @@ class FlowPolicy:
         self.arch.set_timesteps(self.scheduler, num_steps, height, width)
         return self.scheduler.timesteps.float().cpu(), self.scheduler.sigmas.float().cpu()
 
+    def train_schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scheduler's training schedule, fp32 CPU ``timesteps [N]`` and ``sigmas [N]`` (``N =
+        num_train_timesteps``): a scheduler built afresh from this one's config, before any inference
+        ``set_timesteps`` (its static shift applied, a dynamic one not), as a training script noises data."""
+        fresh = type(self.scheduler).from_config(self.scheduler.config)
+        n = int(fresh.config.num_train_timesteps)
+        return fresh.timesteps[:n].float().cpu(), fresh.sigmas[:n].float().cpu()
+
     def decode(self, latents: torch.Tensor, height: int | None = None, width: int | None = None) -> torch.Tensor:
         """uint8 images ``[B, 3, H, W]``; FLUX / Qwen-Image need ``height``/``width`` for non-square images."""
         return self.arch.decode(latents.to(self.device), height, width)

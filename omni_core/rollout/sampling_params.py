@@ -48,7 +48,8 @@ class SamplingParams:
 
     ``model.algorithm=diffusion_nft`` samples with the deterministic Euler ODE at every step (noise level 0) and records
     every step (the window is the whole schedule): DiffusionNFT trains on the final latents at the schedule's sigmas
-    and needs no log-probs.
+    and needs no log-probs. ``model.algorithm=dpo`` samples with the same ODE and records only the last step (the
+    final latents are all Diffusion-DPO trains on).
     """
 
     n: int
@@ -78,12 +79,13 @@ class SamplingParams:
         mix = (
             MixWindow(algo.sample_strategy, algo.iters_per_group, algo.sde_window_seed) if model_algorithm == "mix_grpo" else None
         )
-        if model_algorithm == "diffusion_nft":  # the ODE over the whole schedule, every step recorded, no log-probs
+        if model_algorithm in ("diffusion_nft", "dpo"):  # the ODE over the whole schedule, no log-probs
             steps = rollout.pipeline.num_inference_steps
+            first = 0 if model_algorithm == "diffusion_nft" else steps - 1  # NFT: every step recorded; DPO: the last
             return cls.for_training(rollout).replace(
                 noise_level=0.0,
-                sde_window_size=steps,
-                sde_window_range=(0, steps),
+                sde_window_size=steps - first,
+                sde_window_range=(first, steps),
                 calculate_log_probs=False,
                 init_same_noise=False,
                 old_policy=rollout.rollout_adapter == "old",

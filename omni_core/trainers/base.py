@@ -36,6 +36,7 @@ import torch
 
 from omni_core import checkpoint as ckpt
 from omni_core.agent_loop import AgentLoopManager, rollout_threads
+from omni_core.algorithms.diffusion_dpo import preference_pairs
 from omni_core.algorithms.flow_grpo import group_index_from_uids
 from omni_core.algorithms.registry import compute_advantages
 from omni_core.checkpoint.compat import check_resume_config
@@ -477,10 +478,13 @@ class PolicyGradientDiffusionTrainerV1:
                 int(failed.sum()), len(keys), self.config.reward.max_failure_ratio, list(batch.failed_uids.values()), step=step
             )
             advantages = step_advantages(self.config.algorithm, rewards, failed, prompt_groups(keys))
+            trained_keys, values = keys, advantages
+            if self.config.algorithm.paired_preference:  # Diffusion-DPO: each group's (chosen, rejected) pair
+                trained_keys, values = self._preference_pairs(keys, rewards, failed, step)
         update = self.ranks.train_step(
             self.run.train_partition,
-            keys,
-            advantages,
+            trained_keys,
+            values,
             step,
             ACTOR_CALL_TIMEOUT_S,
             staleness=self.feed.staleness_of(batch, step),
@@ -490,6 +494,22 @@ class PolicyGradientDiffusionTrainerV1:
             timer.timing[name] = timer.timing.get(name, 0.0) + update.pop(f"timing_s/{name}")
         actor_metrics.update(update)
         return batch, rewards, advantages, failed
+
+    def _preference_pairs(
+        self, keys: list[str], rewards: torch.Tensor, failed: torch.Tensor, step: int
+    ) -> tuple[list[str], torch.Tensor]:
+        """The keys of each prompt group's (chosen, rejected) pair, laid out `[w0, l0, w1, l1, ...]`, and the rewards the
+        loss sees (`omni_core.algorithms.diffusion_dpo.preference_pairs`); a step in which no pair has a preference
+        (every group's rewards tie) is an error: the reward cannot teach the pairs anything."""
+        order, pair_rewards = preference_pairs(rewards, failed, prompt_groups(keys))
+        if not bool((pair_rewards[0::2] > pair_rewards[1::2]).any()):
+            raise RuntimeError(
+                f"step {step}: in every prompt group all {self.config.actor_rollout_ref.rollout.n} samples got the same "
+                f"reward ({sorted(set(rewards.tolist()))[:4]}), so no (chosen, rejected) pair has a preference and "
+                "Diffusion-DPO has nothing to train on; use a reward that tells the samples apart or raise "
+                "actor_rollout_ref.rollout.n"
+            )
+        return [keys[i] for i in order.tolist()], pair_rewards
 
     def _validate(self) -> dict[str, float]:
         """Validation images at noise 0 (`rollout.val_kwargs`); mean reward per data_source."""

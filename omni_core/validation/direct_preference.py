@@ -1,17 +1,17 @@
-"""The direct-preference family (verl-omni's `algorithm.trainer_type=direct_preference`): DiffusionNFT's keys and
-what it cannot be combined with. (Offline samples and preference pairs, Diffusion-DPO's, are refused by
+"""The direct-preference family (verl-omni's `algorithm.trainer_type=direct_preference`): DiffusionNFT's and online
+Diffusion-DPO's keys and what each cannot be combined with. (Offline samples, offline Diffusion-DPO's, are refused by
 `omni_core.config.unsupported.REFUSED_WHEN_NOT_DEFAULT` until they are available.)
 
-DiffusionNFT is selected by verl-omni's four keys together: `model.algorithm=diffusion_nft` (its rollout: the ODE over
-the whole schedule, no log-probs), `model.model_type=diffusion_nft_model`, `diffusion_loss.loss_mode=diffusion_nft`
-and `algorithm.trainer_type=direct_preference`; its old policy is `model.policy_state_adapters=[default,old]` with
-`rollout.rollout_adapter=old`, as verl-omni requires.
+Each is selected by verl-omni's keys together: `model.algorithm` (its rollout: the ODE over the whole schedule, no
+log-probs), `model.model_type` (its engine), `diffusion_loss.loss_mode` and `algorithm.trainer_type=direct_preference`;
+DiffusionNFT's old policy is `model.policy_state_adapters=[default,old]` with `rollout.rollout_adapter=old`, and
+Diffusion-DPO's pairs are `algorithm.paired_preference=true`, as verl-omni requires.
 """
 
 from __future__ import annotations
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.config.algorithm_names import FORWARD_PROCESS_ALGORITHMS, FORWARD_PROCESS_LOSSES
+from omni_core.config.algorithm_names import FORWARD_PROCESS_ALGORITHMS, FORWARD_PROCESS_LOSSES, PAIRED_LOSSES
 from omni_core.validation.refused import config_value, default_config
 
 # algorithm keys only DiffusionNFT reads.
@@ -27,37 +27,35 @@ TRAINED_STEPS = (
     " (a policy-gradient run, DanceGRPO included, trains the steps of each sample's SDE window: "
     "actor_rollout_ref.rollout.algo.sde_window_size of rollout.pipeline.num_inference_steps)"
 )
-# rollout.algo keys of the SDE sampler, which DiffusionNFT's ODE rollout does not use.
+# rollout.algo keys of the SDE sampler, which the forward-process algorithms' ODE rollout does not use.
 SDE_KEYS = ("noise_level", "sde_type", "sde_window_size", "sde_window_range", "init_same_noise")
 ADAPTER_SETS = (("default",), ("default", "old"))
+NAMES = {"diffusion_nft": "DiffusionNFT", "dpo": "Diffusion-DPO"}
 
 
 def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     p: list[ConfigProblem] = []
     arr, algo = config.actor_rollout_ref, config.algorithm
     model, loss_mode = arr.model, arr.actor.diffusion_loss.loss_mode
-    nft_rollout, nft_loss = model.algorithm in FORWARD_PROCESS_ALGORITHMS, loss_mode in FORWARD_PROCESS_LOSSES
-    nft = nft_rollout or nft_loss
-    model_type, trainer_type = FORWARD_PROCESS_ALGORITHMS.get(model.algorithm, ("diffusion_model", "policy_gradient"))
-    if nft_rollout != nft_loss:
-        key, value = (
-            ("actor_rollout_ref.model.algorithm", model.algorithm)
-            if nft_loss
-            else ("actor_rollout_ref.actor.diffusion_loss.loss_mode", loss_mode)
-        )
-        p.append(
-            ConfigProblem(
-                key,
-                "DiffusionNFT's loss trains on the final samples of its own rollout (the ODE over every step, no log-probs), "
-                "and that rollout records nothing a policy-gradient loss reads: set actor_rollout_ref.model.algorithm="
-                "diffusion_nft together with actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft, or neither",
-                value,
+    expected_loss = FORWARD_PROCESS_LOSSES.get(model.algorithm)
+    forward_loss = loss_mode in FORWARD_PROCESS_LOSSES.values()
+    if (expected_loss is not None or forward_loss) and expected_loss != loss_mode:
+        if expected_loss is not None:
+            key, value = "actor_rollout_ref.actor.diffusion_loss.loss_mode", loss_mode
+            why = (
+                f"actor_rollout_ref.model.algorithm={model.algorithm} is {NAMES[model.algorithm]}'s rollout (the ODE over "
+                f"every step, no log-probs), which only its loss trains on: set loss_mode={expected_loss}"
             )
-        )
-        return p  # the keys below follow from these two
-    if model.model_type == "diffusion_dpo_model":
-        p.append(ConfigProblem("actor_rollout_ref.model.model_type", "Diffusion-DPO is not available yet", model.model_type))
-    elif model.model_type != model_type:
+        else:
+            algorithm = next(a for a, loss in FORWARD_PROCESS_LOSSES.items() if loss == loss_mode)
+            key, value = "actor_rollout_ref.model.algorithm", model.algorithm
+            why = (
+                f"loss_mode={loss_mode} ({NAMES[algorithm]}) trains on the final samples of its own rollout (the ODE over "
+                f"every step, no log-probs): set actor_rollout_ref.model.algorithm={algorithm} with it"
+            )
+        return [ConfigProblem(key, why, value)]  # the keys below follow from these two
+    model_type, trainer_type = FORWARD_PROCESS_ALGORITHMS.get(model.algorithm, ("diffusion_model", "policy_gradient"))
+    if model.model_type != model_type:
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.model.model_type",
@@ -70,10 +68,20 @@ def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             ConfigProblem(
                 "algorithm.trainer_type",
                 f"must be {trainer_type} with actor_rollout_ref.model.algorithm={model.algorithm} (direct_preference is "
-                "DiffusionNFT's loop here; Diffusion-DPO is not available yet)",
+                "the loop of DiffusionNFT and Diffusion-DPO)",
                 algo.trainer_type,
             )
         )
+    paired = loss_mode in PAIRED_LOSSES
+    if algo.paired_preference != paired:
+        why = (
+            "Diffusion-DPO trains on each prompt group's (chosen, rejected) pair: set it to true"
+            if paired
+            else f"pairs (chosen, rejected) samples for Diffusion-DPO (loss_mode=dpo), which loss_mode={loss_mode} is not; "
+            "set it to false"
+        )
+        p.append(ConfigProblem("algorithm.paired_preference", why, algo.paired_preference))
+    nft = model.algorithm == "diffusion_nft"
     p += _adapter_problems(config, nft)
     if not nft:
         defaults = default_config().algorithm
@@ -87,8 +95,10 @@ def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             for key in NFT_ALGORITHM_KEYS
             if getattr(algo, key) != getattr(defaults, key)
         ]
+    if expected_loss is None:
         return p
-    p += _nft_combination_problems(config)
+    p += _ode_rollout_problems(config, NAMES[model.algorithm])
+    p += _nft_placement_problems(config) if nft else _dpo_mode_problems(config)
     return p
 
 
@@ -134,11 +144,9 @@ def _adapter_problems(config: OmniFlowConfig, nft: bool) -> list[ConfigProblem]:
     return p
 
 
-def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
-    """What DiffusionNFT cannot be combined with: the SDE sampler's keys, log-prob based corrections and penalties, and
-    (for now) rollouts outside the training ranks and sharded ranks."""
-    from omni_core.resources import uses_hybrid_engine
-
+def _ode_rollout_problems(config: OmniFlowConfig, name: str) -> list[ConfigProblem]:
+    """What an algorithm with the ODE rollout (`name`: DiffusionNFT, Diffusion-DPO) cannot be combined with: the SDE
+    sampler's keys, and the log-prob based corrections and penalties."""
     arr, algo = config.actor_rollout_ref, config.algorithm
     p: list[ConfigProblem] = []
     sde_defaults = default_config().actor_rollout_ref.rollout.algo
@@ -148,7 +156,7 @@ def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             p.append(
                 ConfigProblem(
                     f"actor_rollout_ref.rollout.algo.{key}",
-                    "configures the SDE sampler, and DiffusionNFT's rollout is the ODE over every step; drop the key",
+                    f"configures the SDE sampler, and {name}'s rollout is the ODE over every step; drop the key",
                     list(value) if isinstance(value, tuple) else value,
                 )
             )
@@ -157,19 +165,58 @@ def _nft_combination_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         p.append(
             ConfigProblem(
                 "algorithm.rollout_correction",
-                "corrects policy-gradient ratios with the rollout's log-probs; DiffusionNFT has neither: drop its keys",
+                f"corrects policy-gradient ratios with the rollout's log-probs; {name} has neither: drop its keys",
                 {"bypass_mode": rc.bypass_mode, "rollout_is": rc.rollout_is, "rollout_rs": rc.rollout_rs},
             )
         )
+    ref_micro = arr.ref.log_prob_micro_batch_size_per_gpu
+    if ref_micro is not None and ref_micro != arr.actor.ppo_micro_batch_size_per_gpu:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                f"{name} computes the reference's velocity inside the update, at each micro-batch's forward-process point, "
+                f"so it runs in actor.ppo_micro_batch_size_per_gpu={arr.actor.ppo_micro_batch_size_per_gpu} samples; set "
+                "null or that value",
+                ref_micro,
+            )
+        )
     if arr.actor.use_kl_loss:
+        towards = (
+            "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef"
+            if name == "DiffusionNFT"
+            else "built into its loss (the reference's error in every term, weighted by dpo_beta)"
+        )
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.actor.use_kl_loss",
-                "is the policy-gradient losses' KL penalty; DiffusionNFT's penalty towards the reference is "
-                "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef",
+                f"is the policy-gradient losses' KL penalty; {name}'s pull towards the reference is {towards}",
                 True,
             )
         )
+    return p
+
+
+def _dpo_mode_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """Online Diffusion-DPO trains each step's fresh pairs in sync mode."""
+    mode = config.trainer.v1.trainer_mode
+    if mode == "sync":
+        return []
+    return [
+        ConfigProblem(
+            "trainer.v1.trainer_mode",
+            "online Diffusion-DPO runs in sync mode here: separate_async's staleness statistics are importance ratios of "
+            "the rollout's log-probs, which DPO's ODE rollout does not record; set sync",
+            mode,
+        )
+    ]
+
+
+def _nft_placement_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
+    """DiffusionNFT samples with its old policy: (for now) not on rollout workers of their own, nor on sharded ranks."""
+    from omni_core.resources import uses_hybrid_engine
+
+    arr = config.actor_rollout_ref
+    p: list[ConfigProblem] = []
     if arr.actor.strategy == "fsdp2":  # (no hybrid engine either: the problem is the shards)
         p.append(
             ConfigProblem(

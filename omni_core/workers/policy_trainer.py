@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from omni_core.algorithms.diffusion_dpo import sample_train_steps
 from omni_core.algorithms.diffusion_nft import forward_process, old_policy_decay, refresh_old_policy, select_train_timesteps
 from omni_core.algorithms.ema import WeightsEMA
-from omni_core.algorithms.loss_contract import FORWARD_PROCESS_INPUTS, REFERENCE_INPUTS, check_declared
+from omni_core.algorithms.loss_contract import FORWARD_PROCESS_INPUTS, REFERENCE_INPUTS, check_declared, forward_sigmas
 from omni_core.algorithms.registry import get_policy_loss
 from omni_core.algorithms.rollout_correction import RolloutCorrection
 from omni_core.algorithms.update import (
@@ -55,7 +56,9 @@ Gather = Callable[[list[int], torch.Tensor, int], torch.Tensor]
 
 # A forward-process step's noise: the seed of sample `i` at its step `j` is derive_sample_seed(data_loader_seed, global
 # step, FORWARD_NOISE_INDEX - i, j), prompt indices no rollout uses (theirs are >= 0), so it is drawn apart from every
-# rollout noise and does not depend on the rank or micro-batch that trains the sample.
+# rollout noise and does not depend on the rank or micro-batch that trains the sample. A loss whose points lie on the
+# training schedule (Diffusion-DPO) draws one per group `g` (samples g*k .. g*k+k-1) from the seed of "sample" g, step
+# j: its noise, then its training-schedule index.
 FORWARD_NOISE_INDEX = -2
 
 # The stored trajectory's values a loss may declare, for the rows `part` at window step `j`.
@@ -114,6 +117,7 @@ class PolicyTrainer:
         # Training steps in a row whose loss or grad norm was not finite. Not cleared by `build`: a retried epoch
         # that hits the same fault fails at its first such step; a finite step clears it.
         self.nonfinite_streak = 0
+        self._train_schedule: tuple[torch.Tensor, torch.Tensor] | None = None  # the scheduler's (a training-schedule loss)
         self.build()
 
     # ------------------------------------------------------------------------------- building
@@ -246,8 +250,10 @@ class PolicyTrainer:
         """The update's knobs at `global_step`; `local`: which of the step's local updates (separate_async runs
         `parameter_sync_step` of them, each on its share of the prompts as one mini-batch)."""
         actor, n = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout.n
+        # A prompt's samples in the update: rollout.n, or its one (chosen, rejected) pair (verl-omni's paired update).
+        per_prompt = 2 if self.config.algorithm.paired_preference else n
         return PPOUpdateConfig(
-            mini_batch_size=actor.ppo_mini_batch_size // local.count * n,
+            mini_batch_size=actor.ppo_mini_batch_size // local.count * per_prompt,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=actor.ppo_epochs,
             clip_ratio=actor.diffusion_loss.clip_ratio,
@@ -372,7 +378,9 @@ class PolicyTrainer:
         # use (so the first ratio is exactly 1); a gather gives every rank every sample's values.
         own = self.first_epoch_samples(batch_size, global_step, local) if self.world_size > 1 else rows
         part = traj.index_select(row_of[own])
-        batch: dict[str, Any] = {"advantages": advantages.float(), "sample": torch.arange(batch_size)}
+        # A preference loss reads the pairs' rewards (the controller passes them in place of advantages).
+        values = "rewards" if "rewards" in self.needs else "advantages"
+        batch: dict[str, Any] = {values: advantages.float(), "sample": torch.arange(batch_size)}
         drift: dict[str, float] = {}
         if "old_log_prob" in self.needs or staleness is not None:
             bypass = self.config.algorithm.rollout_correction.bypass_mode
@@ -390,6 +398,8 @@ class PolicyTrainer:
                 if weights is not None:
                     batch["rollout_weights"] = weights
                 drift.update({f"rollout_corr/{key}": value for key, value in corrected.items()})
+        elif self.forward_process and forward_sigmas(self.loss) == "train_schedule":
+            batch["window"] = 1  # one forward-process point per group
         elif self.forward_process:  # each sample's forward-process steps: a subset of the rollout's schedule
             fraction = self.config.algorithm.timestep_fraction
             seed = derive_sample_seed(self.config.actor_rollout_ref.actor.data_loader_seed, global_step, FORWARD_NOISE_INDEX, -1)
@@ -432,7 +442,8 @@ class PolicyTrainer:
         def forward_step_fn(mb: dict[str, Any], j: int) -> StepOutput:
             if selected.get("micro_batch") is not mb:
                 selected.update(micro_batch=mb, part=traj.index_select(row_of[mb["sample"]]).to(self.policy.device))
-            return self.forward_process_step(selected["part"], mb["sample"], mb["train_steps"][:, j], j, global_step)
+            steps = mb["train_steps"][:, j] if "train_steps" in mb else None
+            return self.forward_process_step(selected["part"], mb["sample"], steps, j, global_step)
 
         if staleness is not None:
             batch["staleness"] = staleness.float()
@@ -452,29 +463,16 @@ class PolicyTrainer:
         return metrics
 
     def forward_process_step(
-        self, part: Trajectory, samples: torch.Tensor, steps: torch.Tensor, j: int, global_step: int
+        self, part: Trajectory, samples: torch.Tensor, steps: torch.Tensor | None, j: int, global_step: int
     ) -> StepOutput:
         """Step `j` of a forward-process loss for the rows `part` (the step's samples `samples`): each sample's final
-        latents noised at the sigma of its schedule step `steps` with its own fresh noise (`FORWARD_NOISE_INDEX`), and
-        the old (no gradient), reference (no gradient, when declared) and current policy's velocity there."""
+        latents noised at its point (`forward_points`), and the old (no gradient, when declared), reference (no gradient,
+        when declared) and current policy's velocity there."""
         device = self.policy.device
-        rows = torch.arange(part.batch_size)
-        steps = steps.to(part.sigmas.device)
-        sigma, timestep = part.sigmas[rows, steps], part.timesteps[rows, steps]
         x0 = part.latents[:, -1]
-        base = self.config.actor_rollout_ref.actor.data_loader_seed
-        noise = torch.stack(
-            [
-                torch.randn(
-                    x0.shape[1:],
-                    generator=torch.Generator().manual_seed(
-                        derive_sample_seed(base, global_step, FORWARD_NOISE_INDEX - int(i), j)
-                    ),
-                )
-                for i in samples
-            ]
-        ).to(device)
-        x_t, _ = forward_process(x0, noise, sigma)
+        sigma, timestep, noise = self.forward_points(part, samples, steps, j, global_step)
+        noise = noise.to(device)
+        x_t, _ = forward_process(x0, noise, sigma.to(device))
         rollout = self.config.actor_rollout_ref.rollout
         height, width = part.images.shape[-2:]
 
@@ -491,8 +489,10 @@ class PolicyTrainer:
                 true_cfg_scale=rollout.pipeline.true_cfg_scale,
             )
 
-        with torch.no_grad(), self.old_policy_loaded():
-            old_velocity = predict()
+        old_velocity = None
+        if "old_velocity" in self.needs:
+            with torch.no_grad(), self.old_policy_loaded():
+                old_velocity = predict()
         ref_velocity = predict(use_reference=True) if "ref_velocity" in self.needs else None
         return StepOutput(
             velocity=predict(),
@@ -501,7 +501,40 @@ class PolicyTrainer:
             final_latents=x0,
             forward_latents=x_t,
             forward_sigma=sigma.to(device),
+            forward_noise=noise,
         )
+
+    def forward_points(
+        self, part: Trajectory, samples: torch.Tensor, steps: torch.Tensor | None, j: int, global_step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's forward-process point at step `j`: (sigma `[b]`, timestep `[b]` in scheduler units, noise
+        `[b, *latent]`), seeded by sample (`FORWARD_NOISE_INDEX`), so no rank or micro-batch split changes them.
+        The rollout's schedule (DiffusionNFT): the sigma of the row's schedule step `steps`, its own noise. The training
+        schedule (Diffusion-DPO): one point per group of `loss.group_size` samples, shared by them."""
+        base = self.config.actor_rollout_ref.actor.data_loader_seed
+        shape = part.latents.shape[2:]
+
+        def generator(index: int) -> torch.Generator:
+            return torch.Generator().manual_seed(derive_sample_seed(base, global_step, FORWARD_NOISE_INDEX - index, j))
+
+        if forward_sigmas(self.loss) == "train_schedule":
+            if self._train_schedule is None:
+                self._train_schedule = self.policy.train_schedule()
+            timesteps, sigmas = self._train_schedule
+            group = self.loss.group_size
+            points: dict[int, tuple[torch.Tensor, int]] = {}
+            for g in sorted({int(i) // group for i in samples}):
+                gen = generator(g)
+                noise_g = torch.randn(shape, generator=gen)
+                points[g] = (noise_g, int(sample_train_steps(timesteps.shape[0], gen, 1)[0]))
+            chosen = [points[int(i) // group] for i in samples]
+            index = torch.tensor([k for _, k in chosen])
+            return sigmas[index], timesteps[index], torch.stack([n for n, _ in chosen])
+        assert steps is not None, "a rollout-schedule loss trains the steps train_on selected"
+        rows = torch.arange(part.batch_size)
+        steps = steps.to(part.sigmas.device)
+        noise = torch.stack([torch.randn(shape, generator=generator(int(i))) for i in samples])
+        return part.sigmas[rows, steps], part.timesteps[rows, steps], noise
 
     def _update(
         self,
