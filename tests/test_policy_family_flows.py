@@ -30,6 +30,11 @@ pytestmark = pytest.mark.timeout(600)
 DANCE_GRPO = ["actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo", "algorithm.adv_estimator=dance_grpo"]
 
 
+def _ode_lean(flow_overrides: list[str]) -> list[str]:
+    """The lean config without its SDE window (the forward-process algorithms' ODE rollout refuses the key)."""
+    return [o for o in flow_overrides if not o.startswith("actor_rollout_ref.rollout.algo.sde_window_range")]
+
+
 def _records(ckpt) -> list[dict]:
     (log_dir,) = (ckpt / "logs").iterdir()
     return [r for r in read_jsonl(log_dir / "metrics.jsonl") if "critic/rewards/mean" in r]
@@ -80,7 +85,7 @@ def test_a_diffusion_nft_run_trains_on_policy_from_its_old_policy_and_checkpoint
     from omni_core.checkpoint.files import read_tensors
 
     ckpt = tmp_path / "ckpt"
-    lean = [o for o in flow_overrides if not o.startswith("actor_rollout_ref.rollout.algo.sde_window_range")]
+    lean = _ode_lean(flow_overrides)
     overrides = [
         *lean,
         *DIFFUSION_NFT,
@@ -110,7 +115,7 @@ def test_an_online_dpo_run_trains_each_groups_pair_on_two_ranks(flow_overrides, 
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     ckpt = tmp_path / "ckpt"
-    lean = [o for o in flow_overrides if not o.startswith("actor_rollout_ref.rollout.algo.sde_window_range")]
+    lean = _ode_lean(flow_overrides)
     overrides = [
         *lean,
         *DIFFUSION_DPO,

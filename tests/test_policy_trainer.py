@@ -210,6 +210,34 @@ def test_online_dpo_trains_its_pairs_towards_the_chosen_samples(tiny_sd3_dir, on
     assert (change[0::2] - change[1::2]).mean() < 0, change  # the chosen samples are fitted relative to the rejected
 
 
+def test_an_online_dpo_trainer_resumed_from_its_state_trains_the_next_step_bit_for_bit(tiny_sd3_dir, one_torch_thread):
+    """Three DPO steps in one go against two steps, the state dict, a fresh trainer and the third: the same weights bit
+    for bit (each pair's noise and training-schedule point are seeded by the step and the pair, not drawn from a
+    stream that a restart would reset)."""
+    from omni_core.algorithms.diffusion_dpo import preference_pairs
+
+    extra = [*DIFFUSION_DPO, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    params = SamplingParams.for_training(_trainer(tiny_sd3_dir, *extra).config.actor_rollout_ref.rollout, "dpo")
+    rewards, groups = torch.tensor([0.1, 0.9, 0.5, 0.2, 0.3, 0.8, 0.4, 0.6]), torch.tensor([0] * 4 + [1] * 4)
+
+    def step(trainer: PolicyTrainer, s: int) -> None:
+        traj = generate(trainer.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(s))
+        order, pair_rewards = preference_pairs(rewards, torch.zeros(8, dtype=torch.bool), groups)
+        trainer.train_on(traj.index_select(order), pair_rewards, s)
+
+    whole = _trainer(tiny_sd3_dir, *extra)
+    step(whole, 1)
+    step(whole, 2)
+    saved = copy.deepcopy(whole.state_dict())
+    step(whole, 3)
+    resumed = _trainer(tiny_sd3_dir, *extra)
+    resumed.load_state_dict(saved)
+    step(resumed, 3)
+    a, b = whole.state_dict()["model"], resumed.state_dict()["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], saved["model"][k]) for k in a)  # the third step trained
+
+
 def test_the_old_policy_is_swapped_in_and_back_bit_for_bit_and_saved_with_the_state(tiny_sd3_dir, one_torch_thread):
     trainer = _trainer(tiny_sd3_dir, *NFT, "algorithm.old_policy_decay=0.5")
     live = trainer.trainable_state()

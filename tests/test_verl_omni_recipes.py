@@ -127,6 +127,18 @@ def localised(name: str, local_paths: dict[str, str]) -> list[str]:
     return out
 
 
+def validated_without_refused(name: str, local_paths: dict[str, str], also_drop: tuple[str, ...] = ()):
+    """The recipe's config once its refused keys (and the keys starting with `also_drop`) are removed, validated as
+    `omniflow validate` does, with the console logger only."""
+    kept = [
+        o
+        for o in localised(name, local_paths)
+        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
+        and not (also_drop and _key(o).startswith(also_drop))
+    ]
+    return prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+
+
 def test_the_recipe_files_are_the_scripts_arguments():
     for name in EXPECTED_REFUSED:
         text = (RECIPES / f"{name}.txt").read_text()
@@ -159,12 +171,7 @@ def test_the_recipe_validates_once_the_refused_keys_are_removed(name, local_path
     """Nothing else in the recipe is a problem: without the refused keys (rollout name, logger, device counts
     and trainer mode set back to OmniFlow's values) the config passes, and the keys it
     carries over keep their recipe values."""
-    kept = [
-        o
-        for o in localised(name, local_paths)
-        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
-    ]
-    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    config = validated_without_refused(name, local_paths)
     arr = config.actor_rollout_ref
     assert config.trainer.n_gpus_per_node == 2 and arr.actor.strategy == "fsdp2"  # two sharded ranks, as in the recipe
     assert arr.actor.fsdp_config.model_dtype == "bfloat16" and arr.model.lora_rank == 32
@@ -195,13 +202,7 @@ def test_the_omniflow_command_reports_every_refused_key_in_one_error(local_paths
 def test_a_policy_gradient_family_recipe_selects_its_loss_by_the_same_keys(name, loss_keys, local_paths):
     """Without the refused keys and the training rank count (OmniFlow's default: one torch rank), the recipe validates
     and its `diffusion_loss` keys carry over with the recipe's values: the same loss, selected by the same keys."""
-    kept = [
-        o
-        for o in localised(name, local_paths)
-        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
-        and not _key(o).startswith("trainer.n_gpus_per_node")
-    ]
-    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    config = validated_without_refused(name, local_paths, ("trainer.n_gpus_per_node",))
     loss = config.actor_rollout_ref.actor.diffusion_loss
     assert {key: getattr(loss, key) for key in loss_keys} == loss_keys
     assert config.actor_rollout_ref.rollout.algo.sde_type == "sde" and config.actor_rollout_ref.rollout.n == 16
@@ -224,14 +225,11 @@ def test_the_diffusion_nft_recipe_selects_diffusion_nft_by_the_same_keys(local_p
     """Without the refused keys and the rank count, verl-omni's DiffusionNFT recipe validates with its DiffusionNFT keys
     at the recipe's values: the ODE rollout with the old policy, the forward-process loss and its old-policy schedule."""
     name = "run_qwen_image_ocr_lora_diffusionnft"
-    kept = [
-        o
-        for o in localised(name, local_paths)
-        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
-        and not _key(o).startswith(("trainer.n_gpus_per_node", "actor_rollout_ref.rollout.agent.num_workers"))
-    ]  # one rank here, with its one rollout worker in it (the hybrid engine, which DiffusionNFT's old policy needs)
-    # (its reference micro-batch of 32 is refused above; the update's is the recipe's 12)
-    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    # One rank here, with its one rollout worker in it (the hybrid engine, which DiffusionNFT's old policy needs); its
+    # reference micro-batch of 32 is refused above (the update's is the recipe's 12).
+    config = validated_without_refused(
+        name, local_paths, ("trainer.n_gpus_per_node", "actor_rollout_ref.rollout.agent.num_workers")
+    )
     arr, algo = config.actor_rollout_ref, config.algorithm
     assert (arr.model.algorithm, arr.model.model_type, arr.actor.diffusion_loss.loss_mode) == (
         "diffusion_nft",
@@ -250,13 +248,7 @@ def test_the_online_dpo_recipe_selects_diffusion_dpo_by_the_same_keys(local_path
     the recipe's values: the ODE rollout without log-probs, the pairs, the DPO loss and its beta; a mini-batch of 16
     prompts is 16 pairs (32 samples) in micro-batches of 8, and the reference runs in the update's micro-batches (8)."""
     name = "run_qwen_image_online_dpo_lora"
-    kept = [
-        o
-        for o in localised(name, local_paths)
-        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
-        and not _key(o).startswith("trainer.n_gpus_per_node")
-    ]
-    config = prepare_run_config(None, [*kept, "trainer.logger=[console]"])
+    config = validated_without_refused(name, local_paths, ("trainer.n_gpus_per_node",))
     arr, algo = config.actor_rollout_ref, config.algorithm
     assert (arr.model.algorithm, arr.model.model_type, arr.actor.diffusion_loss.loss_mode) == (
         "dpo",
