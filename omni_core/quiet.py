@@ -10,6 +10,8 @@ A run loads the pipeline in every actor, so each notice below would print once p
   the token stays on).
 - mlflow's notices that it creates / updates the tables of its SQLite store (the `mlflow` tracker's local
   store, at the first epoch of a run).
+- diffusers' notice, when a pipeline is saved, that a component which is None (e.g. the procedural recipe's
+  pixel-space model has no VAE) "cannot be saved": there is nothing to save; a component of another type still warns.
 
 Only these exact messages are dropped: every other warning of these libraries still shows.
 
@@ -29,6 +31,7 @@ _DROPPED: dict[str, tuple[str, ...]] = {
     "diffusers.models.modeling_utils": ("Attention backends are an experimental feature",),
     "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray cluster",),
     "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
+    "diffusers.pipelines.pipeline_utils": ("=None of type <class 'NoneType'> cannot be saved",),
 }
 
 
