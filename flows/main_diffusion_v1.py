@@ -54,6 +54,7 @@ from omniflow.tasks.restart_transfer_queue import restart_transfer_queue
 from omniflow.tasks.validate_config import validate_config
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_progress_artifact
+from prefect.states import Completed
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 from pydantic import BaseModel, Field
@@ -64,6 +65,7 @@ from omni_core.config import OmniFlowConfig
 from omni_core.data.prompts import PromptRecord
 from omni_core.faults import epoch_timeout_error, is_transfer_queue_lost
 from omni_core.records import EpochResult, RunInfo
+from omni_core.reports.cards import already_complete_note
 from omni_core.reports.plots import step_noise
 from omni_core.validation.paths import validate_resume
 
@@ -247,7 +249,12 @@ def main_diffusion_v1(
                     queue.wait(timeout=QUEUE_START_TIMEOUT_S)  # a start still running would race the close
                 close_transfer_queue(trainer, owns_ray)
     result = summarize(run, epochs, resume_from, start_step)
-    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)
+    # A run that resumed a finished experiment trains nothing: its state message and summary say so, and how to start
+    # a new one (a UI trigger of the on-demand deployment resumes its experiment unless new_experiment_per_run is set).
+    note = already_complete_note(cfg.trainer.experiment_name, start_step) if not epochs and start_step > 0 else None
+    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step, note)
+    if note is not None:
+        return Completed(message=note, data=result)
     return result
 
 

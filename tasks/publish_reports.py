@@ -34,11 +34,13 @@ def publish_reward_curve(run: RunInfo, epochs: list[EpochResult], end_epoch: int
     publish_card("omniflow-reward-curve", reward_curve_card(run, epochs, end_epoch))
 
 
-def publish_run_summary(run: RunInfo, epochs: list[EpochResult], final_checkpoint: str | None, global_step: int) -> None:
+def publish_run_summary(
+    run: RunInfo, epochs: list[EpochResult], final_checkpoint: str | None, global_step: int, note: str | None = None
+) -> None:
     """The main run's own artifact `omniflow-run-summary`: trend, reward curve, last validation grid.
 
     Called in the flow itself, not as a task: a task whose input is a subflow's return value gets a
     `flow_run` task input, which the Prefect 3.9.1 UI cannot parse ("Invalid TaskInputResponse"), and
     the run's Task Runs tab and log task names then stay empty.
     """
-    publish_card("omniflow-run-summary", run_summary_card(run, epochs, final_checkpoint, global_step))
+    publish_card("omniflow-run-summary", run_summary_card(run, epochs, final_checkpoint, global_step, note))

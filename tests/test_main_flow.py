@@ -135,6 +135,38 @@ def test_two_epochs_write_two_checkpoints_and_their_artifacts(reference):
     assert step_records[0]["actor/ratio_mean"] == 1.0
 
 
+def test_a_run_of_a_finished_experiment_trains_nothing_and_says_so_in_its_state_and_summary(
+    flows, reference, flow_overrides, tmp_path
+):
+    """The reference's experiment (2 of 2 steps done), run again on a copy of its folder, as a UI trigger of the
+    on-demand deployment does: it completes having trained nothing, and the flow run's state message in the API and its
+    summary artifact say so and how to start a new experiment; the checkpoints stay as they were."""
+    import shutil
+
+    from prefect.client.orchestration import get_client
+
+    _, _, ckpt = reference
+    folder = tmp_path / "ckpt"
+    shutil.copytree(ckpt, folder)
+    before = sorted(p.name for p in folder.iterdir())
+    state = flows.main_diffusion_v1(overrides=[*flow_overrides, f"trainer.default_local_dir={folder}"], return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result.global_step == 2 and result.final_metrics == {} and Path(result.final_checkpoint).name == "global_step_2"
+
+    async def stored():
+        async with get_client() as client:
+            return await client.read_flow_run(state.state_details.flow_run_id)
+
+    message = _read(stored()).state.message
+    assert "was already complete at step 2" in message and "trained nothing" in message
+    assert "trainer.experiment_name=<new name>" in message and "new_experiment_per_run=true" in message
+    (summary,) = [a for a in _read(_artifacts([state.state_details.flow_run_id])) if a.key == "omniflow-run-summary"]
+    assert summary.description.startswith("Nothing trained: ") and "**Nothing trained**" in summary.data
+    assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert [p for p in sorted(p.name for p in folder.iterdir()) if p != "logs"] == [p for p in before if p != "logs"]
+
+
 def test_transfer_queue_holds_no_rows_after_the_run(reference):
     from omni_core.tq.client import attach, list_rows, partition_id
 

@@ -116,11 +116,26 @@ def reward_curve_card(run: RunInfo, epochs: list[EpochResult], end_epoch: int) -
     )
 
 
-def run_summary_card(run: RunInfo, epochs: list[EpochResult], final_checkpoint: str | None, global_step: int) -> Card:
-    """The run's verdict: trend, steps, last checkpoint, the reward curve and the last validation grid."""
+def already_complete_note(experiment: str, global_step: int) -> str:
+    """What a run that resumed an experiment past its last step says (it trained nothing), and how to start anew."""
+    return (
+        f"experiment {experiment!r} was already complete at step {global_step}: this run resumed its last checkpoint and "
+        "trained nothing; start a new experiment with trainer.experiment_name=<new name> (or, from a deployment's form, "
+        "new_experiment_per_run=true)"
+    )
+
+
+def run_summary_card(
+    run: RunInfo, epochs: list[EpochResult], final_checkpoint: str | None, global_step: int, note: str | None = None
+) -> Card:
+    """The run's verdict: trend, steps, last checkpoint, the reward curve and the last validation grid; `note` (a run
+    that trained nothing: `already_complete_note`) comes first and is the card's description."""
     steps, rewards = _step_rewards(epochs)
     line = trend_line(rewards)
     parts = [f"### {run.run_id}: {line}\n", f"Steps trained: {global_step}; last checkpoint: `{final_checkpoint}`\n"]
+    if note is not None:
+        parts.insert(0, f"**Nothing trained**: {note}\n")
+        line = f"Nothing trained: {note}"
     if steps:
         curve = save_reward_curve(steps, Path(run.log_dir) / REWARD_CURVE, _val_points(epochs), title=run.run_id)
         parts.append(f"{markdown_image(curve, 'reward curve')}\n")
