@@ -210,6 +210,24 @@ def test_online_dpo_trains_its_pairs_towards_the_chosen_samples(tiny_sd3_dir, on
     assert (change[0::2] - change[1::2]).mean() < 0, change  # the chosen samples are fitted relative to the rejected
 
 
+def test_a_dpo_step_whose_pairs_all_tie_leaves_the_weights_as_they_were(tiny_sd3_dir, one_torch_thread):
+    """Every pair of the step tied (a reward of few values): no update at all (AdamW's momentum and weight decay would move
+    the weights with no signal); the step counts as trained, and the next step with a preference trains."""
+    trainer = _trainer(tiny_sd3_dir, *DIFFUSION_DPO, "actor_rollout_ref.actor.optim.weight_decay=0.1")
+    params = SamplingParams.for_training(trainer.config.actor_rollout_ref.rollout, "dpo")
+    traj = generate(trainer.policy, ["a red circle", "a blue square"], prompt_indices=[0, 1], **params.generate_kwargs(1))
+    pairs = traj.index_select(torch.tensor([0, 1, 4, 5]))
+    before = {k: v.detach().clone() for k, v in trainer.trainable_state().items()}
+    lr_before = trainer.lr_scheduler.last_epoch
+    metrics = trainer.train_on(pairs, torch.tensor([1.0, 1.0, 0.5, 0.5]), 1)
+    assert metrics["actor/dpo_tied_pairs"] == 1.0 and metrics["actor/dpo_idle_step"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in trainer.trainable_state().items()) and trainer.version == 1
+    assert trainer.lr_scheduler.last_epoch == lr_before + 1  # the schedule moves on as after any step
+    metrics = trainer.train_on(pairs, torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)  # one pair with a preference
+    assert "actor/dpo_idle_step" not in metrics and metrics["actor/dpo_tied_pairs"] == 0.5
+    assert not all(torch.equal(before[k], v) for k, v in trainer.trainable_state().items())
+
+
 def test_an_online_dpo_trainer_resumed_from_its_state_trains_the_next_step_bit_for_bit(tiny_sd3_dir, one_torch_thread):
     """Three DPO steps in one go against two steps, the state dict, a fresh trainer and the third: the same weights bit
     for bit (each pair's noise and training-schedule point are seeded by the step and the pair, not drawn from a

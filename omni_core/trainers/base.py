@@ -499,15 +499,17 @@ class PolicyGradientDiffusionTrainerV1:
         self, keys: list[str], rewards: torch.Tensor, failed: torch.Tensor, step: int
     ) -> tuple[list[str], torch.Tensor]:
         """The keys of each prompt group's (chosen, rejected) pair, laid out `[w0, l0, w1, l1, ...]`, and the rewards the
-        loss sees (`omni_core.algorithms.diffusion_dpo.preference_pairs`); a step in which no pair has a preference
-        (every group's rewards tie) is an error: the reward cannot teach the pairs anything."""
+        loss sees (`omni_core.algorithms.diffusion_dpo.preference_pairs`). A step in which no pair has a preference
+        (every group's rewards tie: common with a reward of few values once the policy is good) trains nothing: the
+        tied pairs have no gradient and the update makes no optimizer step; the log says so."""
         order, pair_rewards = preference_pairs(rewards, failed, prompt_groups(keys))
         if not bool((pair_rewards[0::2] > pair_rewards[1::2]).any()):
-            raise RuntimeError(
-                f"step {step}: in every prompt group all {self.config.actor_rollout_ref.rollout.n} samples got the same "
-                f"reward ({sorted(set(rewards.tolist()))[:4]}), so no (chosen, rejected) pair has a preference and "
-                "Diffusion-DPO has nothing to train on; use a reward that tells the samples apart or raise "
-                "actor_rollout_ref.rollout.n"
+            self.log(
+                f"step {step}: the samples of every prompt group got equal rewards (values seen: "
+                f"{sorted(set(rewards.tolist()))[:6]}), so no (chosen, rejected) pair has a preference and this step "
+                "trains nothing; if this happens at most steps, use a reward that tells the samples apart or raise "
+                "actor_rollout_ref.rollout.n",
+                logging.WARNING,
             )
         return [keys[i] for i in order.tolist()], pair_rewards
 

@@ -447,7 +447,10 @@ class PolicyTrainer:
 
         if staleness is not None:
             batch["staleness"] = staleness.float()
-        metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local)
+        if values == "rewards" and not bool((advantages[0::2] > advantages[1::2]).any()):
+            metrics = self._idle_update()
+        else:
+            metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local)
         metrics.update(drift)
         self.count_nonfinite(metrics, global_step)
         self.version = global_step
@@ -535,6 +538,20 @@ class PolicyTrainer:
         steps = steps.to(part.sigmas.device)
         noise = torch.stack([torch.randn(shape, generator=generator(int(i))) for i in samples])
         return part.sigmas[rows, steps], part.timesteps[rows, steps], noise
+
+    def _idle_update(self) -> dict[str, float]:
+        """A preference step in which every pair tied: nothing to learn, so no forward and no optimizer step (AdamW's
+        momentum and weight decay would move the weights with no signal); the LR schedule moves on as after any step."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return {
+            "actor/dpo_idle_step": 1.0,
+            "actor/dpo_tied_pairs": 1.0,
+            "actor/lr": lr,
+            "actor/grad_norm": 0.0,
+            "actor/skipped_optimizer_steps": 0.0,
+        }
 
     def _update(
         self,
