@@ -274,7 +274,9 @@ def test_light_name_lists_equal_the_registries():
     from omni_core.trainers.registry import BUILTIN_MODES, DIFFUSION_TRAINER_REGISTRY, get_diffusion_trainer_cls
 
     assert set(ADV_ESTIMATORS) == set(ADV_ESTIMATOR_NAMES) == {"flow_grpo", "dance_grpo"}
-    assert set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo", "dance_grpo", "grpo_guard", "flow_dppo", "diffusion_nft"}
+    assert (
+        set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo", "dance_grpo", "grpo_guard", "flow_dppo", "diffusion_nft", "dpo"}
+    )
     assert set(REWARD_FUNCTIONS) == set(BUILTIN_REWARD_NAMES) == {"jpeg_compressibility", "jpeg_incompressibility"}
     # The recipe's reward is declared by the installed package, not built in.
     assert declared_rewards()["procedural_geneval"] == "omni_core.recipes.procedural_geneval.verifier"
