@@ -96,6 +96,9 @@ class TrainResult(BaseModel):
         "None under 3 steps. (reward_last - reward_first) / reward_step_noise says how far learning stands out of it.",
     )
     checkpoint_dir: str = Field(description="The run's checkpoint folder.")
+    note: str | None = Field(
+        default=None, description="What the run says of itself: set when it resumed a finished experiment and trained nothing."
+    )
     log_dir: str = Field(description="The run's metrics (metrics.jsonl, TensorBoard) folder.")
 
 
@@ -251,10 +254,11 @@ def main_diffusion_v1(
     result = summarize(run, epochs, resume_from, start_step)
     # A run that resumed a finished experiment trains nothing: its state message and summary say so, and how to start
     # a new one (a UI trigger of the on-demand deployment resumes its experiment unless new_experiment_per_run is set).
-    note = already_complete_note(cfg.trainer.experiment_name, start_step) if not epochs and start_step > 0 else None
-    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step, note)
-    if note is not None:
-        return Completed(message=note, data=result)
+    if not epochs and start_step > 0:
+        result.note = already_complete_note(cfg.trainer.experiment_name, start_step)
+    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step, result.note)
+    if result.note is not None:
+        return Completed(message=result.note, data=result)
     return result
 
 

@@ -31,11 +31,8 @@ def run_training(args: Sequence[str]) -> int:
 
 def _report(result: Any) -> None:
     print("omniflow: run finished", flush=True)
-    if result.final_metrics == {} and result.global_step > 0:
-        print(
-            f"  nothing to train: resumed at step {result.global_step}, the end of this experiment; start a new one "
-            f"with trainer.experiment_name=<name>"
-        )
+    if result.note:  # a finished experiment, resumed: the flow's state message
+        print(f"  nothing trained: {result.note}")
     print(f"  run id:           {result.run_id}")
     print(f"  steps trained:    {result.global_step}")
     print(f"  checkpoints:      {result.checkpoint_dir} (last: {result.final_checkpoint})")

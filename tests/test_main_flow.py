@@ -159,7 +159,7 @@ def test_a_run_of_a_finished_experiment_trains_nothing_and_says_so_in_its_state_
             return await client.read_flow_run(state.state_details.flow_run_id)
 
     message = _read(stored()).state.message
-    assert "was already complete at step 2" in message and "trained nothing" in message
+    assert "was already complete at step 2" in message and "trained nothing" in message and result.note == message
     assert "trainer.experiment_name=<new name>" in message and "new_experiment_per_run=true" in message
     (summary,) = [a for a in _read(_artifacts([state.state_details.flow_run_id])) if a.key == "omniflow-run-summary"]
     assert summary.description.startswith("Nothing trained: ") and "**Nothing trained**" in summary.data

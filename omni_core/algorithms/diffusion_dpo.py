@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["dpo_loss", "preference_pairs", "sample_train_steps"]
+__all__ = ["dpo_loss", "preference_pairs", "preferred", "sample_train_steps"]
 
 
 def preference_pairs(rewards: Tensor, failed: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
@@ -61,6 +61,12 @@ def preference_pairs(rewards: Tensor, failed: Tensor, group: Tensor) -> tuple[Te
         order += [chosen, rejected]
         pair_rewards += [values[chosen], values[rejected]]
     return torch.tensor(order, dtype=torch.long), torch.tensor(pair_rewards, dtype=torch.float32)
+
+
+def preferred(rewards: Tensor) -> Tensor:
+    """Which pairs of ``rewards [2P]`` (laid out ``[w0, l0, ...]``) have a preference (the chosen reward above the
+    rejected one): ``[P]`` bool. A tied pair has none."""
+    return rewards[0::2] > rewards[1::2]
 
 
 def sample_train_steps(num_train_timesteps: int, generator: torch.Generator, count: int) -> Tensor:
@@ -95,16 +101,16 @@ def dpo_loss(
     diff = err - ref_err
     chosen, rejected = -0.5 * beta * diff[0::2], -0.5 * beta * diff[1::2]
     inside = chosen - rejected
-    preferred = (r[0::2] > r[1::2]).float()  # a tied pair: no preference, no gradient
-    loss = (-F.logsigmoid(inside) * preferred).mean()
+    weight = preferred(r).float()  # a tied pair: no preference, no gradient
+    loss = (-F.logsigmoid(inside) * weight).mean()
     with torch.no_grad():
-        counted = preferred.sum().clamp(min=1.0)
+        counted = weight.sum().clamp(min=1.0)
         metrics = {
             "dpo_loss": loss.detach(),
-            "implicit_acc": ((inside > 0).float() * preferred).sum() / counted,
-            "rewards/chosen": (chosen * preferred).sum() / counted,
-            "rewards/rejected": (rejected * preferred).sum() / counted,
-            "rewards/margins": (inside * preferred).sum() / counted,
-            "dpo_tied_pairs": 1.0 - preferred.mean(),
+            "implicit_acc": ((inside > 0).float() * weight).sum() / counted,
+            "rewards/chosen": (chosen * weight).sum() / counted,
+            "rewards/rejected": (rejected * weight).sum() / counted,
+            "rewards/margins": (inside * weight).sum() / counted,
+            "dpo_tied_pairs": 1.0 - weight.mean(),
         }
     return loss, metrics

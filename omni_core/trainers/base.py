@@ -36,7 +36,7 @@ import torch
 
 from omni_core import checkpoint as ckpt
 from omni_core.agent_loop import AgentLoopManager, rollout_threads
-from omni_core.algorithms.diffusion_dpo import preference_pairs
+from omni_core.algorithms.diffusion_dpo import preference_pairs, preferred
 from omni_core.algorithms.flow_grpo import group_index_from_uids
 from omni_core.algorithms.registry import compute_advantages
 from omni_core.checkpoint.compat import check_resume_config
@@ -503,7 +503,7 @@ class PolicyGradientDiffusionTrainerV1:
         (every group's rewards tie: common with a reward of few values once the policy is good) trains nothing: the
         tied pairs have no gradient and the update makes no optimizer step; the log says so."""
         order, pair_rewards = preference_pairs(rewards, failed, prompt_groups(keys))
-        if not bool((pair_rewards[0::2] > pair_rewards[1::2]).any()):
+        if not bool(preferred(pair_rewards).any()):
             self.log(
                 f"step {step}: the samples of every prompt group got equal rewards (values seen: "
                 f"{sorted(set(rewards.tolist()))[:6]}), so no (chosen, rejected) pair has a preference and this step "

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from omni_core.algorithms.diffusion_dpo import sample_train_steps
+from omni_core.algorithms.diffusion_dpo import preferred, sample_train_steps
 from omni_core.algorithms.diffusion_nft import forward_process, old_policy_decay, refresh_old_policy, select_train_timesteps
 from omni_core.algorithms.ema import WeightsEMA
 from omni_core.algorithms.loss_contract import FORWARD_PROCESS_INPUTS, REFERENCE_INPUTS, check_declared, forward_sigmas
@@ -447,7 +447,7 @@ class PolicyTrainer:
 
         if staleness is not None:
             batch["staleness"] = staleness.float()
-        if values == "rewards" and not bool((advantages[0::2] > advantages[1::2]).any()):
+        if values == "rewards" and not bool(preferred(advantages).any()):
             metrics = self._idle_update()
         else:
             metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local)
