@@ -3,15 +3,16 @@
 The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
 
   1. validate_config      auto_set_device + validate_config + validate_attention_consistency
-  2. init_ray             Ray: join `ray_kwargs.ray_init.address` or start a local cluster; the resource check
-     init_transfer_queue  tq.init, submitted without waiting: its processes start while stages 3-6 load the
-                          data and the actors; the flow waits for it before stage 7
-  3. build_trainer        get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config); called after stage 4,
-                          since its run record carries the prompt-embeddings file
-  4. load_tokenizer, prepare_dataset, prepare_prompt_embeddings   (cached across runs; the text encoders
-                          embed every prompt once, so they never stay on a worker's device); the run's GPU
-                          slots (`trainer.concurrency`, tasks/gpu_slots.py) are taken before the first model
-                          load and given back after stage 8
+  2. load_tokenizer, prepare_dataset   (cached across runs); a run whose resume point is already the run's last
+                          step (a finished experiment triggered again) ends here, Completed, having started nothing
+  3. init_ray             Ray: join `ray_kwargs.ray_init.address` or start a local cluster; the resource check
+     init_transfer_queue  tq.init, submitted without waiting: its processes start while stages 4-6 load the
+                          embeddings and the actors; the flow waits for it before stage 7
+  4. prepare_prompt_embeddings (cached across runs; the text encoders embed every prompt once, so they never stay
+                          on a worker's device); the run's GPU slots (`trainer.concurrency`, tasks/gpu_slots.py)
+                          are taken before it and given back after stage 8; then build_trainer:
+                          get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config), with the run record that
+                          names the prompt-embeddings file
   5. init_trainer         trainer.init(): dataloader, training actor on Ray, checkpoint resume
   6. init_agent_loop      the rollout workers
   7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried; an epoch that lost the
@@ -19,7 +20,7 @@ The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
                           checkpoint after `restart_transfer_queue`
   8. close                the TransferQueue and the run's actors, always (also on failure)
 
-`fit` is a subflow with a `RayTaskRunner`: Ray is connected in stage 2 from the config, so the runner
+`fit` is a subflow with a `RayTaskRunner`: Ray is connected in stage 3 from the config, so the runner
 reuses that cluster, also for runs started by a deployment (whose parameters are only known when
 the flow starts). CLI: `python -m omniflow.flows.main_diffusion_v1 [CONFIG.yaml] key=value ...`.
 """
@@ -67,6 +68,7 @@ from omni_core.faults import epoch_timeout_error, is_transfer_queue_lost
 from omni_core.records import EpochResult, RunInfo
 from omni_core.reports.cards import already_complete_note
 from omni_core.reports.plots import step_noise
+from omni_core.trainers.run_length import finished_step
 from omni_core.validation.paths import validate_resume
 
 REWARD_WINDOW = 3  # steps averaged for the "first" and "last" reward of a run
@@ -222,7 +224,14 @@ def main_diffusion_v1(
     with RunLock(run.checkpoint_dir, run.run_id):
         # The resume point (manifest sizes, optimizer saved, same model / LoRA / dtype / world size) is checked
         # once this run holds the folder, before Ray starts; the trainer hashes every byte when it loads it.
-        validate_resume(cfg)
+        resume_point = validate_resume(cfg)
+        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        train, val = prepare_dataset(cfg.data, tokenizer)
+        # A run of a finished experiment (the on-demand deployment triggered again from the UI resumes its experiment
+        # unless new_experiment_per_run is set) starts nothing: its state message and summary say how to start anew.
+        done_at = finished_step(cfg, resume_point, len(train))
+        if done_at is not None:
+            return finished_experiment(cfg, run, resume_point, done_at)
         owns_ray, trainer, queue = False, None, None
         # The run's GPU slots (trainer.concurrency): taken before the first model load, given back after the close.
         gpus = contextlib.ExitStack()
@@ -230,8 +239,6 @@ def main_diffusion_v1(
             owns_ray = init_ray(cfg)
             warm_epoch_worker()
             queue = init_transfer_queue.submit(cfg)
-            tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-            train, val = prepare_dataset(cfg.data, tokenizer)
             gpus.enter_context(gpu_slots(cfg, "the run"))
             embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)
             run = dataclasses.replace(run, prompt_embeddings=embeddings)
@@ -252,14 +259,16 @@ def main_diffusion_v1(
                     queue.wait(timeout=QUEUE_START_TIMEOUT_S)  # a start still running would race the close
                 close_transfer_queue(trainer, owns_ray)
     result = summarize(run, epochs, resume_from, start_step)
-    # A run that resumed a finished experiment trains nothing: its state message and summary say so, and how to start
-    # a new one (a UI trigger of the on-demand deployment resumes its experiment unless new_experiment_per_run is set).
-    if not epochs and start_step > 0:
-        result.note = already_complete_note(cfg.trainer.experiment_name, start_step)
-    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step, result.note)
-    if result.note is not None:
-        return Completed(message=result.note, data=result)
+    publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)
     return result
+
+
+def finished_experiment(cfg: OmniFlowConfig, run: RunInfo, checkpoint: str, step: int) -> Completed:
+    """The end of a run whose experiment was already complete at `step`: it trained nothing and says so."""
+    result = summarize(run, [], checkpoint, step)
+    result.note = already_complete_note(cfg.trainer.experiment_name, step)
+    publish_run_summary(run, [], result.final_checkpoint, result.global_step, result.note)
+    return Completed(message=result.note, data=result)
 
 
 def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None = None, start_step: int = 0) -> TrainResult:

@@ -259,3 +259,28 @@ def test_rng_state_round_trips_through_json():
     np.random.seed(123)
     restore_rng_state(state)
     assert (random.random(), torch.rand(3).tolist(), np.random.rand(2).tolist()) == expected
+
+
+def test_a_resume_point_at_the_runs_last_step_is_finished_unless_damaged_or_val_only(tmp_path):
+    """`finished_step`: 10 prompts in batches of 4 are 2 steps an epoch (the partial batch dropped), so 3 epochs end at
+    step 6; a checkpoint at step 6 is finished, one at 4 is not, nor is step 6 for a val_only run or a run of 4 epochs
+    (8 steps); a damaged step-6 file of the same size (found only by hashing) makes step 4 the resume point: not finished.
+    """
+    from omni_core.config import load_config
+    from omni_core.trainers.run_length import finished_step
+
+    root = tmp_path / "ckpt"
+    _save(root, 4)
+    last = _save(root, 6)
+    base = [f"trainer.default_local_dir={root}", "data.train_batch_size=4", "trainer.total_epochs=3"]
+    config = load_config(overrides=base)
+    assert finished_step(config, str(last), 10) == 6
+    assert finished_step(config, str(root / "global_step_4"), 10) is None
+    assert finished_step(load_config(overrides=[*base, "trainer.val_only=true"]), str(last), 10) is None
+    assert finished_step(load_config(overrides=[*base, "trainer.total_epochs=4"]), str(last), 10) is None
+    assert finished_step(load_config(overrides=[*base, "trainer.total_training_steps=5"]), str(last), 10) == 6
+    weights = last / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert finished_step(config, str(last), 10) is None

@@ -139,7 +139,7 @@ def test_a_run_of_a_finished_experiment_trains_nothing_and_says_so_in_its_state_
     flows, reference, flow_overrides, tmp_path
 ):
     """The reference's experiment (2 of 2 steps done), run again on a copy of its folder, as a UI trigger of the
-    on-demand deployment does: it completes having trained nothing, and the flow run's state message in the API and its
+    on-demand deployment does: it completes having started nothing past reading the data, and the flow run's state message in the API and its
     summary artifact say so and how to start a new experiment; the checkpoints stay as they were."""
     import shutil
 
@@ -155,10 +155,21 @@ def test_a_run_of_a_finished_experiment_trains_nothing_and_says_so_in_its_state_
     assert result.global_step == 2 and result.final_metrics == {} and Path(result.final_checkpoint).name == "global_step_2"
 
     async def stored():
-        async with get_client() as client:
-            return await client.read_flow_run(state.state_details.flow_run_id)
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    message = _read(stored()).state.message
+        async with get_client() as client:
+            run_id = state.state_details.flow_run_id
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            return await client.read_flow_run(run_id), tasks
+
+    flow_run, tasks = _read(stored())
+    message = flow_run.state.message
+    # It read the data and stopped there: no Ray task, TransferQueue, model or actor was started.
+    assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == [
+        "load_tokenizer",
+        "prepare_dataset",
+        "validate_config",
+    ]
     assert "was already complete at step 2" in message and "trained nothing" in message and result.note == message
     assert "trainer.experiment_name=<new name>" in message and "new_experiment_per_run=true" in message
     (summary,) = [a for a in _read(_artifacts([state.state_details.flow_run_id])) if a.key == "omniflow-run-summary"]

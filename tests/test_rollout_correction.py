@@ -115,7 +115,8 @@ def test_a_rejected_sample_trains_as_if_its_advantage_were_zero(tiny_sd3_dir, on
 
 def test_a_truncated_importance_weight_scales_the_samples_term(tiny_sd3_dir, one_torch_thread):
     """Decoupled token IS: sample 0's rollout log-probs are 0.5 below the recomputed ones, so its weight is e^0.5 (under
-    the bound 2); the update equals the uncorrected one with sample 0's advantage times e^0.5 (to rounding)."""
+    the bound 2); the update equals the uncorrected one with sample 0's advantage times e^0.5 (to rounding: Adam's steps
+    here are ~1e-3 per weight; a CI run saw one weight of 32,768 off by 1.6e-7, so the bound is 1e-6)."""
     advantages = torch.tensor([1.0, -1.0] * 4)
     corrected = _trainer(tiny_sd3_dir, "algorithm.rollout_correction.rollout_is=token")
     traj = _rollout(corrected)
@@ -129,4 +130,4 @@ def test_a_truncated_importance_weight_scales_the_samples_term(tiny_sd3_dir, one
     plain.train_on(_rollout(plain), scaled, 1)
     a, b = corrected.trainable_state(), plain.trainable_state()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)

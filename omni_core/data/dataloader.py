@@ -19,6 +19,11 @@ from omni_core.data.prompts import PromptRecord
 STATE_VERSION = 1
 
 
+def batches_per_epoch(n_records: int, batch_size: int, drop_last: bool = True) -> int:
+    """Batches in one pass over `n_records` prompts: the last, partial one dropped unless `drop_last` is false."""
+    return n_records // batch_size if drop_last else math.ceil(n_records / batch_size)
+
+
 class PromptDataLoader:
     """Batches of `PromptRecord`s; `for batch in loader` runs the rest of the current epoch.
 
@@ -49,8 +54,7 @@ class PromptDataLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        n = len(self.records)
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        return batches_per_epoch(len(self.records), self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
         return self.steps_per_epoch

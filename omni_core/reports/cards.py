@@ -119,8 +119,8 @@ def reward_curve_card(run: RunInfo, epochs: list[EpochResult], end_epoch: int) -
 def already_complete_note(experiment: str, global_step: int) -> str:
     """What a run that resumed an experiment past its last step says (it trained nothing), and how to start anew."""
     return (
-        f"experiment {experiment!r} was already complete at step {global_step}: this run resumed its last checkpoint and "
-        "trained nothing; start a new experiment with trainer.experiment_name=<new name> (or, from a deployment's form, "
+        f"experiment {experiment!r} was already complete at step {global_step}: its last checkpoint is the run's last step, so "
+        "this run started nothing and trained nothing; start a new experiment with trainer.experiment_name=<new name> (or, from a deployment's form, "
         "new_experiment_per_run=true)"
     )
 

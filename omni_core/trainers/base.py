@@ -57,6 +57,7 @@ from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import SampledBatch, merge_batches
 from omni_core.tracking import Timer, TrackerRun, Tracking, data_metrics, timing_metrics, tracker_run_id
+from omni_core.trainers import run_length
 from omni_core.validation.paths import checkpoint_folder_problems
 from omni_core.workers.training_ranks import TrainingRanks
 
@@ -131,8 +132,7 @@ class PolicyGradientDiffusionTrainerV1:
 
     @property
     def total_training_steps(self) -> int:
-        t = self.config.trainer
-        return t.total_training_steps or self.steps_per_epoch * t.total_epochs
+        return run_length.total_training_steps(self.config.trainer, self.steps_per_epoch)
 
     @property
     def end_epoch(self) -> int:

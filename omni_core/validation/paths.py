@@ -144,7 +144,12 @@ def checkpoint_folder_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
 
 
 def resume_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
-    """The checkpoint a run would resume from, checked before Ray starts (read-only; `validate_resume`).
+    """The checkpoint a run would resume from, checked before Ray starts (read-only; `validate_resume`)."""
+    return _checked_resume_point(config)[1]
+
+
+def _checked_resume_point(config: OmniFlowConfig) -> tuple[str | None, list[ConfigProblem]]:
+    """(the checkpoint a run would resume from or None, its problems), read-only.
 
     - It must match its manifest: sizes only here (one stat per file, which catches truncated and missing
       files); the run hashes every byte once when it starts (`omni_core.checkpoint.resume_point`). `auto`
@@ -157,20 +162,20 @@ def resume_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     """
     t = config.trainer
     if t.resume_mode == "disable":
-        return []
+        return None, []
     key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.resume_mode"
     value = t.resume_from_path if t.resume_mode == "resume_path" else t.resume_mode
     try:
         path = ckpt.choose_resume(t.checkpoint_dir, t.resume_mode, t.resume_from_path, hashes=False, log_fn=lambda _: None)
     except ckpt.CheckpointError as exc:
-        return [ConfigProblem(key, str(exc), value)]
+        return None, [ConfigProblem(key, str(exc), value)]
     if path is None:
-        return []
+        return None, []
     if not has_optimizer(path):
-        return [ConfigProblem(key, export_only_message(path), value)]
+        return str(path), [ConfigProblem(key, export_only_message(path), value)]
     saved = saved_config(path)
     refused = config_changes(saved, config.model_dump(mode="json"))[0] if saved is not None else []
-    return [
+    return str(path), [
         ConfigProblem(
             changed,
             f"differs from the checkpoint to resume, {path}, which was saved with {old!r}; {refusal_fix(changed, old)}",
@@ -180,8 +185,10 @@ def resume_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     ]
 
 
-def validate_resume(config: OmniFlowConfig) -> None:
-    """Raise one `ConfigError` listing `resume_problems(config)` (call it before Ray starts)."""
-    problems = resume_problems(config)
+def validate_resume(config: OmniFlowConfig) -> str | None:
+    """The checkpoint the run will resume from (None: it starts fresh); one `ConfigError` listing
+    `resume_problems(config)` instead when it has any (call it before Ray starts)."""
+    path, problems = _checked_resume_point(config)
     if problems:
         raise ConfigError(problems)
+    return path
