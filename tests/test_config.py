@@ -73,7 +73,9 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     ),
     "actor_rollout_ref.rollout.algo.sde_window_range": (
         (0, 5),
-        "[start, end) range of step indices that contains each sample's window; null means [0, num_inference_steps - 1].",
+        "[start, end) range of step indices that contains each sample's window; null means [0, num_inference_steps - 1]. "
+        "An end of num_inference_steps puts the last step (to sigma 0) in reach, as flow_grpo's base config trains it "
+        "(sde and dance_sde; refused for cps).",
     ),
     "trainer.logger": (
         ("console",),

@@ -46,6 +46,26 @@ def test_an_update_moves_each_log_prob_with_the_sign_of_its_advantage(tiny_sd3_d
     assert favoured.mean() > 0 > disfavoured.mean()
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_window_that_includes_the_last_step_trains_it_on_policy(tiny_sd3_dir, one_torch_thread, sign):
+    """flow_grpo's base config: every one of the 4 steps is an SDE step, the last one to sigma 0 included. Its log-prob
+    is recorded and finite, the first ratio is exactly 1 and the update moves log-probs with the advantages' sign."""
+    every_step = ["actor_rollout_ref.rollout.algo.sde_window_size=4", "actor_rollout_ref.rollout.algo.sde_window_range=[0,4]"]
+    trainer = _trainer(tiny_sd3_dir, *every_step)
+    traj = _rollout(trainer, 1)
+    assert traj.window_size == 4 and torch.equal(traj.sigmas[:, -1], torch.zeros(8))
+    assert torch.isfinite(traj.log_probs).all()
+    advantages = sign * torch.tensor([1.0, -1.0] * 4)
+    before = trainer.old_log_probs(traj)
+    # The last step re-scored as the rollout scored it (to rounding: the rollout ran all 8 samples in one batch).
+    torch.testing.assert_close(before[:, -1], traj.log_probs[:, -1], rtol=1e-5, atol=1e-5)
+    metrics = trainer.train_on(traj, advantages, 1)
+    assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/ratio_std"] == 0.0
+    moved = (trainer.old_log_probs(traj) - before).mean(dim=1)
+    favoured, disfavoured = (moved[0::2], moved[1::2]) if sign > 0 else (moved[1::2], moved[0::2])
+    assert favoured.mean() > disfavoured.mean()
+
+
 @pytest.mark.parametrize("loss_mode", ["grpo_guard", "flow_dppo"])
 def test_a_trust_region_loss_gets_the_old_policys_means_and_trains_with_the_sign_of_the_advantage(
     tiny_sd3_dir, one_torch_thread, loss_mode

@@ -55,6 +55,29 @@ def test_sde_log_prob_equals_torch_normal_and_mean_follows_the_paper():
     torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_last_step_to_sigma_zero_is_a_proper_gaussian_step_for_sde_and_dance_sde():
+    """flow_grpo's base config trains the last step as an SDE step: sigma_next = 0, so dt = -sigma. Flow-GRPO's std is
+    a sqrt(sigma / (1 - sigma)) and its noise std * sqrt(sigma); DanceGRPO's noise is a sqrt(sigma). Both are positive,
+    so the step is a Gaussian with a finite log-prob (cps's noise there is 0 * sin(..) = 0: validation refuses it)."""
+    v, x, sigma, _ = _inputs()
+    zero, a = torch.zeros(B), 0.7
+    s = sigma.view(B, 1, 1, 1)
+    prev, log_prob, mean, std = sde_step_from_sigmas(v, x, sigma, zero, 0.95, a, generator=torch.Generator().manual_seed(3))
+    sigma_t = a * torch.sqrt(s / (1 - s))
+    expected_mean = x + (v + sigma_t**2 / (2 * s) * (x + (1 - s) * v)) * (-s)
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-6, atol=1e-6)
+    expected = torch.distributions.Normal(expected_mean, sigma_t * torch.sqrt(s)).log_prob(prev).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(prev, mean)  # the final latents carry the step's noise
+
+    prev, log_prob, mean, _ = sde_step_from_sigmas(
+        v, x, sigma, zero, 0.95, a, generator=torch.Generator().manual_seed(3), sde_type="dance_sde"
+    )
+    expected = torch.distributions.Normal(mean, a * torch.sqrt(s)).log_prob(prev).mean(dim=(1, 2, 3))
+    assert torch.isfinite(log_prob).all()
+    torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_dance_sde_mean_and_log_prob_follow_dancegrpos_score_corrected_step():
     """DanceGRPO's step (arXiv 2505.07818, as verl-omni's scheduler): with x0 = x - sigma v, the score
     -(x - (1 - sigma) x0) / sigma^2 = -(x - (1 - sigma)(x - sigma v)) / sigma^2 corrects the Euler mean by

@@ -125,16 +125,29 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "only trainer.v1.trainer_mode=sync supports it",
     ),
     (
-        ["actor_rollout_ref.rollout.algo.sde_window_size=10"],
+        ["actor_rollout_ref.rollout.algo.sde_window_size=11", "actor_rollout_ref.rollout.algo.sde_window_range=null"],
         "actor_rollout_ref.rollout.algo.sde_window_size",
         "num_inference_steps - 1 = 9",
     ),
+    (["actor_rollout_ref.rollout.algo.sde_window_size=10"], "actor_rollout_ref.rollout.algo.sde_window_range", "narrower"),
     (
         ["actor_rollout_ref.rollout.algo.sde_window_range=[3,12]"],
         "actor_rollout_ref.rollout.algo.sde_window_range",
         "0 <= start < end",
     ),
     (["actor_rollout_ref.rollout.algo.sde_window_range=[0,1]"], "actor_rollout_ref.rollout.algo.sde_window_range", "narrower"),
+    # The last step (sigma_next = 0) can be an SDE step, except for cps (whose noise there is 0); without a range the
+    # window stays off it, and the error says which range takes it in.
+    (
+        ["actor_rollout_ref.rollout.algo.sde_window_size=10", "actor_rollout_ref.rollout.algo.sde_window_range=null"],
+        "actor_rollout_ref.rollout.algo.sde_window_size",
+        "sde_window_range=[0,10]",
+    ),
+    (
+        ["actor_rollout_ref.rollout.algo.sde_type=cps", "actor_rollout_ref.rollout.algo.sde_window_range=[8,10]"],
+        "actor_rollout_ref.rollout.algo.sde_window_range",
+        "sde_type=cps cannot train the last step",
+    ),
     (
         ["actor_rollout_ref.actor.diffusion_loss.loss_mode=sd3_dpo"],
         "actor_rollout_ref.actor.diffusion_loss.loss_mode",
@@ -432,6 +445,15 @@ def test_bad_config_is_rejected_with_its_key_path(overrides, key, fragment, mode
 
 def test_default_config_is_valid(model):
     validate_config(load_config(overrides=[model]), device_counts=CPU_ONLY)
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "dance_sde"])
+def test_a_window_over_every_step_including_the_last_is_valid_as_flow_grpo_trains_it(model, sde_type):
+    every_step = ["actor_rollout_ref.rollout.algo.sde_window_size=10", "actor_rollout_ref.rollout.algo.sde_window_range=[0,10]"]
+    validate_config(
+        load_config(overrides=[model, *every_step, f"actor_rollout_ref.rollout.algo.sde_type={sde_type}"]),
+        device_counts=CPU_ONLY,
+    )
 
 
 def test_diffusion_nft_as_verl_omni_selects_it_is_valid(model):

@@ -9,31 +9,34 @@ from omni_core.config.algorithm_names import FORWARD_PROCESS_ALGORITHMS, REFUSED
 def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     p: list[ConfigProblem] = []
     rollout = config.actor_rollout_ref.rollout
-    # The last step has sigma_next = 0 and cannot be an SDE step. A forward-process algorithm (DiffusionNFT) samples
-    # the ODE over every step and reads no window (validation.direct_preference refuses window keys set for it).
+    # The last step (sigma_next = 0) is an SDE step like the others for `sde` and `dance_sde` (flow_grpo's base config
+    # trains it: the final latents then carry that step's noise); `cps`'s noise there is sigma_next * sin(..) = 0, a
+    # degenerate Gaussian with no log-prob. Without a range the window lies in every step but the last (verl-omni's
+    # default), so including the last step takes sde_window_range=[.., num_inference_steps]. A forward-process
+    # algorithm (DiffusionNFT, DPO) samples the ODE and reads no window (validation.direct_preference refuses window keys
+    # set for it).
     steps = rollout.pipeline.num_inference_steps
     window, window_range = rollout.algo.sde_window_size, rollout.algo.sde_window_range
     if config.actor_rollout_ref.model.algorithm in FORWARD_PROCESS_ALGORITHMS:
         window, window_range = None, None
-    if window is not None and window > steps - 1:
-        p.append(
-            ConfigProblem(
-                "actor_rollout_ref.rollout.algo.sde_window_size",
-                f"must be <= rollout.pipeline.num_inference_steps - 1 = {steps - 1}",
-                window,
-            )
-        )
+    last_step_sde = rollout.algo.sde_type != "cps"
+    max_end = steps if last_step_sde else steps - 1
+    why_end = (
+        "the last step can be in the window with sde_type=sde or dance_sde"
+        if last_step_sde
+        else "sde_type=cps cannot train the last step: its noise there is sigma_next * sin(noise_level * pi / 2) = 0"
+    )
     if window_range is not None:
         start, end = window_range
-        if not 0 <= start < end <= steps - 1:
+        if not 0 <= start < end <= max_end:
             p.append(
                 ConfigProblem(
                     "actor_rollout_ref.rollout.algo.sde_window_range",
-                    f"must satisfy 0 <= start < end <= num_inference_steps - 1 = {steps - 1}",
+                    f"must satisfy 0 <= start < end <= {max_end} (num_inference_steps={steps}; {why_end})",
                     list(window_range),
                 )
             )
-        elif window is not None and window <= steps - 1 and end - start < window:
+        elif window is not None and end - start < window:
             p.append(
                 ConfigProblem(
                     "actor_rollout_ref.rollout.algo.sde_window_range",
@@ -41,6 +44,21 @@ def rollout_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                     list(window_range),
                 )
             )
+    elif window is not None and window > steps - 1:
+        fix = (
+            f"; to train the last step as well (flow_grpo's base config), set "
+            f"actor_rollout_ref.rollout.algo.sde_window_range=[{steps - window},{steps}]"
+            if last_step_sde and window <= steps
+            else ""
+        )
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.rollout.algo.sde_window_size",
+                f"must be <= rollout.pipeline.num_inference_steps - 1 = {steps - 1} without sde_window_range (the window "
+                f"then lies in every step but the last, as verl-omni places it){fix}",
+                window,
+            )
+        )
     p += _mix_grpo_problems(config)
     p += _rollout_correction_problems(config)
     # pipeline.guidance_scale / true_cfg_scale per architecture: the `guidance` group.
