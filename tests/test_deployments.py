@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ from real_prefect import (
 pytestmark = pytest.mark.timeout(600)
 
 RUN_TIMEOUT_S = 420
+# How long the served server's scheduler service may take to create the nightly deployment's runs.
+SCHEDULER_WAIT_S = 180
 FLOW = "main_diffusion_v1"
 DEPLOYMENTS = {"tiny-sd3-nightly", "tiny-sd3-on-demand", "tiny-sd3-pipeline"}
 
@@ -193,10 +196,16 @@ def test_served_deployments_appear_with_their_schedule(stack):
         assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"] and nightly.schedules[0].active
         assert nightly.parameters["new_experiment_per_run"] is True
         assert "nightly" in nightly.tags and nightly.description.startswith("Nightly Flow-GRPO")
-        scheduled = client.read_flow_runs(
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"]))),
-        )
+        # The server's scheduler service creates the runs on its own loop (recent deployments every 5 s): on a busy
+        # machine that can come after the deployments appear, so the test polls with a deadline.
+        deadline, scheduled = time.monotonic() + SCHEDULER_WAIT_S, []
+        while not scheduled and time.monotonic() < deadline:
+            scheduled = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"]))),
+            )
+            if not scheduled:
+                time.sleep(1.0)
     starts = sorted(r.expected_start_time.astimezone(datetime.UTC) for r in scheduled)
     assert starts, "the cron deployment has no scheduled run"
     # Every scheduled run is at 03:00:00 UTC, on consecutive days ...
