@@ -31,8 +31,11 @@ def run_training(args: Sequence[str]) -> int:
 
 def _report(result: Any) -> None:
     print("omniflow: run finished", flush=True)
-    if result.note:  # a finished experiment, resumed: the flow's state message
+    if result.note:  # a finished experiment: the flow's state message; the run wrote no metrics, images or rewards
         print(f"  nothing trained: {result.note}")
+        print(f"  checkpoints:      {result.checkpoint_dir} (last: {result.final_checkpoint})")
+        print("  artifacts:        omniflow-run-summary (Prefect UI)")
+        return
     print(f"  run id:           {result.run_id}")
     print(f"  steps trained:    {result.global_step}")
     print(f"  checkpoints:      {result.checkpoint_dir} (last: {result.final_checkpoint})")

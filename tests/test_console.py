@@ -47,3 +47,18 @@ def test_the_summary_labels_validation_before_training_and_after_the_last_step()
     ]
     only_before = summarize(run, epochs[:1])
     assert validation_lines(only_before)[1].startswith("no validation after training (set trainer.test_freq")
+
+
+def test_a_finished_experiments_summary_says_so_and_shows_no_rewards_or_metrics_it_never_wrote(capsys):
+    from omniflow.flows.main_diffusion_v1 import summarize
+    from omniflow.flows.train_cli import _report
+
+    from omni_core.reports.cards import already_complete_note
+
+    result = summarize(RunInfo("r", "omniflow", "/ckpt", "/ckpt/logs/r"), [], "/ckpt/global_step_24", 24)
+    result.note = already_complete_note("tiny", 24)
+    _report(result)
+    out = capsys.readouterr().out
+    assert f"  nothing trained: {result.note}\n" in out and "(last: /ckpt/global_step_24)" in out
+    for absent in ("mean reward", "nan", "metrics:", "/ckpt/logs/r", "omniflow-validation"):
+        assert absent not in out, (absent, out)
