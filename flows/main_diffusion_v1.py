@@ -272,7 +272,7 @@ def finished_experiment(cfg: OmniFlowConfig, run: RunInfo, checkpoint: str, step
 
 
 def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None = None, start_step: int = 0) -> TrainResult:
-    """The run's typed result; a run resumed after its last step trained nothing and says so."""
+    """The run's typed result (a finished experiment's run gets its note in `finished_experiment`)."""
     steps = [m for e in epochs for m in e.step_metrics]
     rewards = [m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m]
     first = rewards[:REWARD_WINDOW]
