@@ -1,13 +1,11 @@
 """How long a run is: its training steps, and whether the checkpoint it resumes from is already the last one.
 
-Light (no Ray, no torch): the flow asks `finished_step` before it starts anything, so a re-run of a finished
+No Ray: the flow asks `finished_step` before it starts anything, so a re-run of a finished
 experiment (the on-demand deployment triggered again from the UI) returns at once instead of loading every model to
 train nothing.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from omni_core import checkpoint as ckpt
 from omni_core.checkpoint.layout import parse_step
@@ -33,9 +31,8 @@ def finished_step(config: OmniFlowConfig, resume_from: str | None, train_prompts
     steps = total_training_steps(config.trainer, batches_per_epoch(train_prompts, config.data.train_batch_size))
     if step is None or step < steps:
         return None
-    t = config.trainer
     try:
-        verified = ckpt.choose_resume(t.checkpoint_dir, t.resume_mode, t.resume_from_path, hashes=True, log_fn=lambda _: None)
+        ckpt.verify_checkpoint(resume_from, hashes=True)
     except ckpt.CheckpointError:
-        return None  # the run reports it, with the fix, where it resumes
-    return step if verified is not None and verified.resolve() == Path(resume_from).resolve() else None
+        return None  # the run resumes the newest checkpoint that verifies, or reports why none does
+    return step
