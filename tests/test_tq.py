@@ -407,7 +407,9 @@ class KernelProbe:
 
     def waits_after_traffic(self, partition: str, uid: str) -> tuple[int, int]:
         """TQ's thread setting in this process, and the main thread's voluntary context switches over 60 rounds
-        of matmul + gelu after a put and a get of a rollout-sized batch (latents 16 x 3 x 16 x 32 x 32)."""
+        of matmul + gelu after a put and a get of a rollout-sized batch (latents 16 x 3 x 16 x 32 x 32): the
+        fewest of three such windows, since load from other processes only adds switches (a preempted pool
+        thread makes the main thread wait) and never removes one."""
         import psutil
 
         keys, fields, tags = _group(uid, 16, 1)
@@ -415,10 +417,13 @@ class KernelProbe:
         put_trajectories(partition, keys, fields, tags)
         get_trajectories(partition, keys)
         a, w = torch.randn(64, 256, 256), torch.randn(256, 256)
-        before = psutil.Process().num_ctx_switches().voluntary  # the main thread's (/proc/<pid>/status)
-        for _ in range(60):
-            torch.nn.functional.gelu(a @ w).add_(a)
-        return self.tq_num_threads, psutil.Process().num_ctx_switches().voluntary - before
+        windows = []
+        for _ in range(3):
+            before = psutil.Process().num_ctx_switches().voluntary  # the main thread's (/proc/<pid>/status)
+            for _ in range(60):
+                torch.nn.functional.gelu(a @ w).add_(a)
+            windows.append(psutil.Process().num_ctx_switches().voluntary - before)
+        return self.tq_num_threads, min(windows)
 
 
 @pytest.mark.timeout(180)
