@@ -122,6 +122,7 @@ HEAVY_MODULES = {name for name in HEAVY_GROUPS if name.startswith("test_")} | {
     "test_cli",  # runs `omniflow` commands in a subprocess
     "test_validation_groups",  # imports in a fresh interpreter, to see what validation pulls in
     "test_cluster_examples",
+    "test_ray_start",  # starts Ray in a subprocess and stops its raylet
     "test_containers",
     "test_gpu_smoke::test_without_cuda_exits_2_with_the_message",  # runs benchmarks/gpu_smoke.py in a subprocess
     "test_gpu_smoke::test_cpu_check_runs_every_phase_and_writes_finite_json",

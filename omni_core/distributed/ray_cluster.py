@@ -145,6 +145,41 @@ def loopback_node_ip() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
+class RayStartTimeoutError(TimeoutError):
+    """The local Ray node this run started did not register with its GCS within the 30 s that Ray allows (fixed in
+    Ray 2.60, `ray._private.node`), as happens on a host whose cores are all busy. A TimeoutError, so the `init_ray`
+    task retries it (`omni_core.faults.is_retryable`); the processes of the failed start are stopped first."""
+
+
+# Ray's words for a local node that did not register in time (ray._private.node.Node, a bare Exception).
+_RAY_START_TIMEOUT_TEXT = "timed out during startup"
+
+
+@contextlib.contextmanager
+def _stopped_if_start_times_out() -> Iterator[None]:
+    """Within: a local `ray.init`. If Ray gives up waiting for its node, the processes it had started (GCS server,
+    raylet, dashboard, log monitor, reaper: children of this process that were not there before) are stopped, since
+    Ray keeps no handle to them after the failed start, and `RayStartTimeoutError` is raised."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        yield
+    except Exception as exc:
+        if _RAY_START_TIMEOUT_TEXT not in str(exc):
+            raise
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        for proc in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(started, timeout=30)
+        raise RayStartTimeoutError(
+            f"the local Ray cluster did not start: {exc} (Ray waits 30 s for its node; the host may be busy). "
+            f"Its {len(started)} processes are stopped; the start is retried."
+        ) from exc
+
+
 def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
     """Initialise Ray for this process unless it already is; True when this call started a cluster.
 
@@ -177,7 +212,7 @@ def connect_ray(config: OmniFlowConfig, namespace: str = NAMESPACE) -> bool:
         ray.init(**ray_init_kwargs(config, namespace))
     else:
         global _session_dir
-        with loopback_node_ip():
+        with loopback_node_ip(), _stopped_if_start_times_out():
             context = ray.init(**ray_init_kwargs(config, namespace))
         _session_dir = context.address_info.get("session_dir")
     if previous is not None:
