@@ -319,8 +319,9 @@ def flow_reference(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp
 @pytest.fixture(scope="session")
 def separate_workers_run(prefect_api, ray_cluster, transfer_queue, flow_overrides, tmp_path_factory):
     """One run of the lean config with two rollout workers of their own (`rollout.agent.num_workers=2`: no hybrid
-    engine), EMA on and validation after every step, whose rollout worker 0 is SIGKILLed once step 1 is saved:
-    (final state, checkpoint dir, [killed pid]). One run serves the rollout-worker, EMA and worker-kill tests
+    engine), EMA on and validation after every step, whose rollout worker 0 is SIGKILLed once step 1 is saved, and
+    the zero-std filter on (the jpeg reward never ties, so it keeps every group):
+    (final state, checkpoint dir, [killed pid]). One run serves the rollout-worker, EMA, worker-kill and filter tests
     (test_rollout_workers, test_ema_kl_cfg, test_process_faults): none of them may change the trained weights, which
     must end as `flow_reference`'s."""
     from flow_utils import run_with_kill
@@ -331,6 +332,7 @@ def separate_workers_run(prefect_api, ray_cluster, transfer_queue, flow_override
         "actor_rollout_ref.rollout.agent.num_workers=2",
         "actor_rollout_ref.actor.ema.enable=true",
         "trainer.test_freq=1",
+        "algorithm.filter_zero_std_groups=true",
     ]
     state, killed = run_with_kill(overrides, ckpt, "separate", "rollout-worker-0", "RolloutWorker")
     return state, ckpt, killed

@@ -248,6 +248,31 @@ def test_a_dpo_step_whose_pairs_all_tie_leaves_the_weights_as_they_were(tiny_sd3
     assert not all(torch.equal(before[k], v) for k, v in trainer.trainable_state().items())
 
 
+def test_a_filtered_step_trains_its_kept_groups_in_as_many_mini_batches_as_the_full_step(tiny_sd3_dir, one_torch_thread):
+    """algorithm.filter_zero_std_groups: the controller passes the kept groups only. The update keeps the number of
+    mini-batches (data.train_batch_size / ppo_mini_batch_size = 4 / 2) and shrinks them: two kept groups of 4 samples
+    train in 2 mini-batches of 4, the two optimizer steps of a run whose batch is those 2 prompts (ppo_mini_batch_size
+    1), bit for bit. Mini-batches of the unfiltered size (8 samples) would make one step. A step that keeps nothing
+    makes no update and moves the LR schedule on."""
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"
+    filtered = _trainer(tiny_sd3_dir, micro, "data.train_batch_size=4", "algorithm.filter_zero_std_groups=true")
+    reference = _trainer(tiny_sd3_dir, micro, "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1")
+    traj = _rollout(filtered, 1)  # 2 prompts x 4 samples: the groups the filter kept of the step's 4
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    assert filtered.update_config(1, batch_size=8).mini_batch_size == 4 == reference.update_config(1).mini_batch_size
+    filtered.train_on(traj, advantages, 1)
+    reference.train_on(traj, advantages, 1)
+    for name, value in reference.trainable_state().items():
+        assert torch.equal(filtered.trainable_state()[name], value), name
+
+    before = {k: v.detach().clone() for k, v in filtered.trainable_state().items()}
+    lr_before = filtered.lr_scheduler.last_epoch
+    metrics = filtered.train_on(None, torch.zeros(0), 2)
+    assert metrics["actor/zero_std_idle_step"] == 1.0 and filtered.version == 2
+    assert all(torch.equal(before[k], v) for k, v in filtered.trainable_state().items())
+    assert filtered.lr_scheduler.last_epoch == lr_before + 1
+
+
 def test_an_online_dpo_trainer_resumed_from_its_state_trains_the_next_step_bit_for_bit(tiny_sd3_dir, one_torch_thread):
     """Three DPO steps in one go against two steps, the state dict, a fresh trainer and the third: the same weights bit
     for bit (each pair's noise and training-schedule point are seeded by the step and the pair, not drawn from a

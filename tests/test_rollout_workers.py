@@ -166,3 +166,14 @@ def test_a_run_with_two_rollout_workers_ends_with_the_weights_of_the_hybrid_engi
         result.run_id: [f"omniflow-{result.run_id}-rollout-worker-{i}" for i in (0, 1)],
     }
     assert_same_weights(final_weights(ckpt), final_weights(flow_reference[2]))
+    # The run's zero-std filter (conftest) went through the controller, the ranks and the update at every step: it
+    # kept both groups (the jpeg reward never ties), so training is the reference's, bit for bit, as checked above.
+    from omni_core.tracking import read_jsonl
+
+    records = [r for r in read_jsonl(result.log_dir + "/metrics.jsonl") if "training/zero_std_filter/trained_groups" in r]
+    assert [r["training/global_step"] for r in records] == [1.0, 2.0], records
+    for record in records:
+        assert (record["training/zero_std_filter/trained_groups"], record["training/zero_std_filter/dropped_groups"]) == (
+            2.0,
+            0.0,
+        )

@@ -56,6 +56,17 @@ def test_save_and_reset_restore_the_exact_weights(tiny_sd3_dir, one_torch_thread
     assert not all(torch.equal(saved[k], v) for k, v in actor.get_weights().items())
 
 
+def test_a_step_whose_groups_the_zero_std_filter_all_left_out_reads_nothing_and_updates_nothing(tiny_sd3_dir, one_torch_thread):
+    """The controller passes no keys when every group tied (algorithm.filter_zero_std_groups): the rank reads no rows
+    (the partition name is never used), makes no update and still reaches the step's version."""
+    cfg = load_config(overrides=[*SMALL, f"actor_rollout_ref.model.path={tiny_sd3_dir}", "algorithm.filter_zero_std_groups=true"])
+    actor = TrainingActor(cfg.model_dump(mode="json"), total_training_steps=4, num_threads=1)
+    before = actor.get_weights()
+    metrics = actor.train_step("no-such-partition", [], torch.zeros(0), 1)
+    assert metrics["actor/zero_std_idle_step"] == 1.0 and actor.get_version() == 1
+    assert all(torch.equal(before[k], v) for k, v in actor.get_weights().items())
+
+
 def test_make_tiny_model_cli_writes_a_pipeline_diffusers_loads(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "omniflow.flows.cli", "make-tiny-model", str(tmp_path / "tiny-sd3")],

@@ -226,15 +226,28 @@ def test_batch_sizes_must_divide(setup):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="not divisible by mini_batch_size=3"):
         ppo_update(model, optimizer, None, batch, step_fn=make_step_fn(model), cfg=make_cfg(mini_batch_size=3))
-    with pytest.raises(ValueError, match="not divisible by micro_batch_size=3"):
-        ppo_update(
-            model,
-            optimizer,
-            None,
-            batch,
-            step_fn=make_step_fn(model),
-            cfg=make_cfg(mini_batch_size=4, micro_batch_size=3),
-        )
+    with pytest.raises(ValueError, match="not divisible by dp_size=3"):
+        ppo_update(model, optimizer, None, batch, step_fn=make_step_fn(model), cfg=make_cfg(dp_size=3, dp_rank=0))
+
+
+def test_an_uneven_micro_batch_split_trains_the_mean_over_the_mini_batch(setup):
+    """Mini-batches of 4 (two optimizer steps on the 8 samples) in micro-batches of 3 and 1 (the last one smaller, as
+    after algorithm.filter_zero_std_groups) take the steps of one micro-batch of 4: the gradient of the mean loss over
+    the mini-batch's samples. Weighting the two micro-batches equally (1/2 each instead of 3/4 and 1/4) would move the
+    weights elsewhere."""
+    import copy
+
+    model, batch = setup
+    moved = {}
+    for micro in (4, 3, 1):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)  # the step is the gradient itself: -0.1 g
+        cfg = make_cfg(mini_batch_size=4, micro_batch_size=micro, grad_clip=1e9)
+        ppo_update(trained, optimizer, None, batch, step_fn=make_step_fn(trained), cfg=cfg)
+        moved[micro] = torch.cat([(a - b).flatten() for a, b in zip(trained.parameters(), model.parameters(), strict=True)])
+    assert moved[4].norm() > 0
+    for micro in (3, 1):
+        assert torch.allclose(moved[micro], moved[4], rtol=1e-5, atol=1e-9), (micro, (moved[micro] - moved[4]).abs().max())
 
 
 # ----------------------------------------------------------------------------------------- builders

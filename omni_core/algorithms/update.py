@@ -171,9 +171,14 @@ def _check_sizes(batch_size: int, cfg: PPOUpdateConfig) -> None:
         raise ValueError(
             f"batch of {batch_size} samples is not divisible by mini_batch_size={mini} (ppo_mini_batch_size x rollout.n)"
         )
-    if mini % (micro * ranks):
-        raise ValueError(f"mini_batch_size={mini} is not divisible by micro_batch_size={micro} x dp_size={ranks}")
+    if mini % ranks:
+        raise ValueError(f"mini_batch_size={mini} is not divisible by dp_size={ranks}")
     group = cfg.group_size()
+    if (mini // ranks) % group:
+        raise ValueError(
+            f"loss {cfg.loss_mode!r} trains groups of {group} samples in one micro-batch; each rank's share of a "
+            f"mini-batch, {mini // ranks} samples, must be a multiple of {group}"
+        )
     if micro % group:
         raise ValueError(
             f"loss {cfg.loss_mode!r} trains groups of {group} samples in one micro-batch; micro_batch_size={micro} "
@@ -326,11 +331,6 @@ def ppo_update(
     batch_size = next(v for v in batch.values() if isinstance(v, Tensor)).shape[0]
     window = batch["old_log_probs"].shape[1] if "old_log_probs" in batch else int(batch["window"])
     shares = local_schedule(batch_size, cfg)
-    n_micro = cfg.mini_batch_size // cfg.dp_size // cfg.micro_batch_size
-    # Every backward adds 1/(n_micro * W) of the rank's share of a mini-batch's mean loss: gradients then equal
-    # those of the mean over the share and its window steps, whatever the micro-batch split; the ranks' average
-    # is the mean over the whole mini-batch.
-    scale = 1.0 / (n_micro * window)
     params = [p for p in model.parameters() if p.requires_grad]
     lr = float(optimizer.param_groups[0]["lr"])
     if cfg.dp_size > 1 and no_grad_sync is None:
@@ -349,6 +349,11 @@ def ppo_update(
         micro_batches = share.split(cfg.micro_batch_size)
         for m, micro_idx in enumerate(micro_batches):
             micro = _take(batch, micro_idx)
+            # Every backward adds |micro| / (|share| * W) of the micro-batch's mean loss: gradients then equal those
+            # of the mean over the rank's share of the mini-batch and its window steps, whatever the micro-batch split
+            # (the last micro-batch may be smaller: algorithm.filter_zero_std_groups shrinks the mini-batches); the
+            # ranks' average is the mean over the whole mini-batch. Equal micro-batches: 1 / (n_micro * W) exactly.
+            scale = len(micro_idx) / (len(share) * window)
             for j in range(window):
                 last = m == len(micro_batches) - 1 and j == window - 1
                 sync = contextlib.nullcontext() if last or no_grad_sync is None else no_grad_sync()

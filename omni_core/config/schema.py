@@ -335,6 +335,7 @@ class AlgorithmConfig(ConfigModel):
     trainer_type: Literal["policy_gradient", "direct_preference"] = _al("trainer_type")
     sample_source: Literal["online", "offline"] = _al("sample_source")
     paired_preference: bool = _al("paired_preference")
+    filter_zero_std_groups: bool = _al("filter_zero_std_groups")
     timestep_fraction: Annotated[float, Field(gt=0, le=1)] = _al("timestep_fraction")
     adv_mode: Literal[ADV_MODE_NAMES] = _al("adv_mode")
     old_policy_decay_schedule: Literal[OLD_POLICY_DECAY_SCHEDULE_NAMES] = _al("old_policy_decay_schedule")

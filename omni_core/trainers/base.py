@@ -39,6 +39,7 @@ from omni_core.agent_loop import AgentLoopManager, rollout_threads
 from omni_core.algorithms.diffusion_dpo import preference_pairs, preferred
 from omni_core.algorithms.flow_grpo import group_index_from_uids
 from omni_core.algorithms.registry import compute_advantages
+from omni_core.algorithms.zero_std_filter import SEED_PROMPT_INDEX, groups_to_train
 from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
@@ -53,6 +54,7 @@ from omni_core.resources import resource_plan, rollout_worker_count, standalone_
 from omni_core.rewards.failures import check_failure_share
 from omni_core.rollout.group_refill import group_refill_metrics
 from omni_core.rollout.request import RolloutRequest
+from omni_core.rollout.sampler import derive_sample_seed
 from omni_core.rollout.sampling_params import SamplingParams
 from omni_core.tq import client as tqc
 from omni_core.tq.replay_buffer import SampledBatch, merge_batches
@@ -479,21 +481,57 @@ class PolicyGradientDiffusionTrainerV1:
             )
             advantages = step_advantages(self.config.algorithm, rewards, failed, prompt_groups(keys))
             trained_keys, values = keys, advantages
+            staleness = self.feed.staleness_of(batch, step)
             if self.config.algorithm.paired_preference:  # Diffusion-DPO: each group's (chosen, rejected) pair
                 trained_keys, values = self._preference_pairs(keys, rewards, failed, step)
+            elif self.config.algorithm.filter_zero_std_groups:  # flow_grpo: only groups with a reward spread
+                kept = self._groups_with_a_signal(rewards, failed, keys, step, local, actor_metrics)
+                trained_keys, values = [keys[i] for i in kept.tolist()], advantages[kept]
+                staleness = None if staleness is None else staleness[kept]
         update = self.ranks.train_step(
             self.run.train_partition,
             trained_keys,
             values,
             step,
             ACTOR_CALL_TIMEOUT_S,
-            staleness=self.feed.staleness_of(batch, step),
+            staleness=staleness,
             local=local,
         )
         for name in ("old_log_prob", "update_actor"):
             timer.timing[name] = timer.timing.get(name, 0.0) + update.pop(f"timing_s/{name}")
         actor_metrics.update(update)
         return batch, rewards, advantages, failed
+
+    def _groups_with_a_signal(
+        self,
+        rewards: torch.Tensor,
+        failed: torch.Tensor,
+        keys: list[str],
+        step: int,
+        local: LocalUpdate,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """`algorithm.filter_zero_std_groups`: the indices (into `keys`) of the samples the update trains, those of the
+        groups whose rewards differ, padded with randomly drawn others (seeded by the step, so a resumed or retried step
+        draws the same) to a whole number of samples per mini-batch and rank (`omni_core.algorithms.zero_std_filter`).
+        The filter's counts add up over the step's local updates in `metrics`."""
+        actor = self.config.actor_rollout_ref.actor
+        mini_batches = self.config.data.train_batch_size // actor.ppo_mini_batch_size
+        assert self.ranks is not None
+        seed = derive_sample_seed(actor.data_loader_seed, step, SEED_PROMPT_INDEX, local.index)
+        kept, counts = groups_to_train(
+            rewards, failed, prompt_groups(keys), mini_batches * len(self.ranks.handles), torch.Generator().manual_seed(seed)
+        )
+        for name, value in counts.items():
+            metrics[name] = metrics.get(name, 0.0) + value
+        if not len(kept):
+            self.log(
+                f"step {step}: every prompt group's samples got equal rewards (algorithm.filter_zero_std_groups left "
+                f"out all {int(counts['training/zero_std_filter/dropped_groups'])}), so this update trains nothing; if "
+                "this happens at most steps, use a reward that tells the samples apart or raise actor_rollout_ref.rollout.n",
+                logging.WARNING,
+            )
+        return kept
 
     def _preference_pairs(
         self, keys: list[str], rewards: torch.Tensor, failed: torch.Tensor, step: int

@@ -54,6 +54,17 @@ def algorithm_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 True,
             )
         )
+    if config.algorithm.filter_zero_std_groups and config.algorithm.trainer_type != "policy_gradient":
+        p.append(
+            ConfigProblem(
+                "algorithm.filter_zero_std_groups",
+                "is flow_grpo's filter for the policy-gradient losses, where a group whose rewards are all equal has no "
+                f"gradient; with trainer_type={config.algorithm.trainer_type} DiffusionNFT still trains such a group (its "
+                "optimality probability is 1/2 for each sample) and Diffusion-DPO already trains one (chosen, rejected) "
+                "pair per group, whose tie gives no gradient; drop the key",
+                True,
+            )
+        )
     if config.algorithm.adv_estimator not in ADV_ESTIMATOR_NAMES:
         p.append(
             ConfigProblem(

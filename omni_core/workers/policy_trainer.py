@@ -246,14 +246,19 @@ class PolicyTrainer:
         self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------------------- the no-grad passes
-    def update_config(self, global_step: int, local: LocalUpdate = ONE_UPDATE) -> PPOUpdateConfig:
+    def update_config(self, global_step: int, local: LocalUpdate = ONE_UPDATE, batch_size: int | None = None) -> PPOUpdateConfig:
         """The update's knobs at `global_step`; `local`: which of the step's local updates (separate_async runs
-        `parameter_sync_step` of them, each on its share of the prompts as one mini-batch)."""
+        `parameter_sync_step` of them, each on its share of the prompts as one mini-batch). `batch_size`: the samples
+        the update trains, which `algorithm.filter_zero_std_groups` makes smaller than the step's: the mini-batches
+        keep their number (data.train_batch_size / ppo_mini_batch_size) and shrink."""
         actor, n = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout.n
         # A prompt's samples in the update: rollout.n, or its one (chosen, rejected) pair (verl-omni's paired update).
         per_prompt = 2 if self.config.algorithm.paired_preference else n
+        mini_batch_size = actor.ppo_mini_batch_size // local.count * per_prompt
+        if self.config.algorithm.filter_zero_std_groups and batch_size is not None:
+            mini_batch_size = batch_size // (self.config.data.train_batch_size // actor.ppo_mini_batch_size)
         return PPOUpdateConfig(
-            mini_batch_size=actor.ppo_mini_batch_size // local.count * per_prompt,
+            mini_batch_size=mini_batch_size,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             ppo_epochs=actor.ppo_epochs,
             clip_ratio=actor.diffusion_loss.clip_ratio,
@@ -335,12 +340,12 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------- the training step
     def local_samples(self, batch_size: int, global_step: int, local: LocalUpdate = ONE_UPDATE) -> list[int]:
         """The step's sample indices this rank trains on (all of them on one rank), sorted."""
-        shares = local_schedule(batch_size, self.update_config(global_step, local))
+        shares = local_schedule(batch_size, self.update_config(global_step, local, batch_size))
         return sorted({int(i) for share in shares for i in share})
 
     def first_epoch_samples(self, batch_size: int, global_step: int, local: LocalUpdate = ONE_UPDATE) -> list[int]:
         """This rank's slices of the first PPO epoch's mini-batches, in training order (ranks: a partition)."""
-        shares = local_schedule(batch_size, self.update_config(global_step, local))
+        shares = local_schedule(batch_size, self.update_config(global_step, local, batch_size))
         per_epoch = len(shares) // self.config.actor_rollout_ref.actor.ppo_epochs
         return [int(i) for share in shares[:per_epoch] for i in share]
 
@@ -356,7 +361,7 @@ class PolicyTrainer:
 
     def train_on(
         self,
-        traj: Trajectory,
+        traj: Trajectory | None,
         advantages: torch.Tensor,
         global_step: int,
         samples: list[int] | None = None,
@@ -366,9 +371,13 @@ class PolicyTrainer:
         """Old log-probs (or the rollout's, in bypass mode), the reference pass the loss declares, then the update of
         one training step (`local`: one of its local updates; the moving average folds after the last). `advantages` covers the step's whole batch; `traj` holds its rows `samples` (default: all,
         in order), which include every sample of this rank's slices (`local_samples`). `staleness` (None: on-policy),
-        one value per sample of the whole batch, adds the importance-ratio statistics per staleness level."""
+        one value per sample of the whole batch, adds the importance-ratio statistics per staleness level. An empty
+        batch (`algorithm.filter_zero_std_groups` found no group with a reward spread; `traj` None) makes no update."""
         t0 = time.perf_counter()
         batch_size = advantages.shape[0]
+        if batch_size == 0:
+            return self._finish_step(self._idle_update({"actor/zero_std_idle_step": 1.0}), global_step, local, t0, t0)
+        assert traj is not None
         rows = list(range(batch_size)) if samples is None else list(samples)
         # The batch is indexed by the step's sample number; `row_of` finds a sample's row in `traj` (-1: another rank's).
         row_of = torch.full((batch_size,), -1, dtype=torch.long)
@@ -448,10 +457,17 @@ class PolicyTrainer:
         if staleness is not None:
             batch["staleness"] = staleness.float()
         if values == "rewards" and not bool(preferred(advantages).any()):
-            metrics = self._idle_update()
+            metrics = self._idle_update({"actor/dpo_idle_step": 1.0, "actor/dpo_tied_pairs": 1.0})
         else:
             metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local)
         metrics.update(drift)
+        return self._finish_step(metrics, global_step, local, t0, t1)
+
+    def _finish_step(
+        self, metrics: dict[str, float], global_step: int, local: LocalUpdate, t0: float, t1: float
+    ) -> dict[str, float]:
+        """After an update (or a step that made none): the non-finite count, the version, the moving average and the
+        old policy after the step's last local update, the timings."""
         self.count_nonfinite(metrics, global_step)
         self.version = global_step
         if self.ema is not None and local.last:
@@ -539,15 +555,15 @@ class PolicyTrainer:
         noise = torch.stack([torch.randn(shape, generator=generator(int(i))) for i in samples])
         return part.sigmas[rows, steps], part.timesteps[rows, steps], noise
 
-    def _idle_update(self) -> dict[str, float]:
-        """A preference step in which every pair tied: nothing to learn, so no forward and no optimizer step (AdamW's
-        momentum and weight decay would move the weights with no signal); the LR schedule moves on as after any step."""
+    def _idle_update(self, marks: dict[str, float]) -> dict[str, float]:
+        """A step with nothing to learn (a preference step in which every pair tied; a step whose groups the zero-std
+        filter all left out): no forward and no optimizer step (AdamW's momentum and weight decay would move the
+        weights with no signal); the LR schedule moves on as after any step. `marks`: the metrics that say why."""
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return {
-            "actor/dpo_idle_step": 1.0,
-            "actor/dpo_tied_pairs": 1.0,
+            **marks,
             "actor/lr": lr,
             "actor/grad_norm": 0.0,
             "actor/skipped_optimizer_steps": 0.0,
@@ -572,7 +588,7 @@ class PolicyTrainer:
                 self.lr_scheduler,
                 batch,
                 step_fn=step_fn,
-                cfg=self.update_config(global_step, local),
+                cfg=self.update_config(global_step, local, batch_size=int(batch["sample"].shape[0])),
                 scaler=self.grad_scaler,
                 no_grad_sync=no_sync,
             )

@@ -306,15 +306,15 @@ class TrainingActor:
         from omni_core.tq.client import get_trajectories
 
         t0 = time.perf_counter()
-        samples = self.local_samples(len(keys), global_step, local)
-        traj = Trajectory.from_columns(get_trajectories(partition, [keys[i] for i in samples]))
+        samples = self.local_samples(len(keys), global_step, local) if keys else []  # none: every group filtered out
+        traj = Trajectory.from_columns(get_trajectories(partition, [keys[i] for i in samples])) if samples else None
         metrics = self.train_on(traj, advantages, global_step, samples=samples, staleness=staleness, local=local)
         metrics["timing_s/old_log_prob"] += time.perf_counter() - t0 - metrics.pop("_train_s")
         return metrics
 
     def train_on(
         self,
-        traj: Trajectory,
+        traj: Trajectory | None,
         advantages: torch.Tensor,
         global_step: int,
         samples: list[int] | None = None,
