@@ -21,6 +21,12 @@ from torch import Tensor
 SEED_PROMPT_INDEX = -3
 
 
+def mini_batches_per_update(train_batch_size: int, ppo_mini_batch_size: int) -> int:
+    """The number of mini-batches (optimizer steps per PPO epoch) an update makes, which the filter keeps: the kept
+    samples are padded to a multiple of it (times the ranks) and the mini-batches shrink instead."""
+    return train_batch_size // ppo_mini_batch_size
+
+
 def informative_groups(rewards: Tensor, failed: Tensor, group: Tensor) -> Tensor:
     """`[G]` bool: True for each group id 0..G-1 whose successful samples do not all share one reward. A group with
     fewer than two successful samples has no spread either (its advantages are 0)."""

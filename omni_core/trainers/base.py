@@ -39,7 +39,7 @@ from omni_core.agent_loop import AgentLoopManager, rollout_threads
 from omni_core.algorithms.diffusion_dpo import preference_pairs, preferred
 from omni_core.algorithms.flow_grpo import group_index_from_uids
 from omni_core.algorithms.registry import compute_advantages
-from omni_core.algorithms.zero_std_filter import SEED_PROMPT_INDEX, groups_to_train
+from omni_core.algorithms.zero_std_filter import SEED_PROMPT_INDEX, groups_to_train, mini_batches_per_update
 from omni_core.checkpoint.compat import check_resume_config
 from omni_core.config import ConfigError, OmniFlowConfig, to_yaml
 from omni_core.data.dataloader import PromptDataLoader
@@ -516,7 +516,7 @@ class PolicyGradientDiffusionTrainerV1:
         draws the same) to a whole number of samples per mini-batch and rank (`omni_core.algorithms.zero_std_filter`).
         The filter's counts add up over the step's local updates in `metrics`."""
         actor = self.config.actor_rollout_ref.actor
-        mini_batches = self.config.data.train_batch_size // actor.ppo_mini_batch_size
+        mini_batches = mini_batches_per_update(self.config.data.train_batch_size, actor.ppo_mini_batch_size)
         assert self.ranks is not None
         seed = derive_sample_seed(actor.data_loader_seed, step, SEED_PROMPT_INDEX, local.index)
         kept, counts = groups_to_train(

@@ -40,6 +40,7 @@ from omni_core.algorithms.update import (
     nonfinite_metrics,
     ppo_update,
 )
+from omni_core.algorithms.zero_std_filter import mini_batches_per_update
 from omni_core.config import OmniFlowConfig
 from omni_core.distributed import fsdp2
 from omni_core.models import lora
@@ -256,7 +257,7 @@ class PolicyTrainer:
         per_prompt = 2 if self.config.algorithm.paired_preference else n
         mini_batch_size = actor.ppo_mini_batch_size // local.count * per_prompt
         if self.config.algorithm.filter_zero_std_groups and batch_size is not None:
-            mini_batch_size = batch_size // (self.config.data.train_batch_size // actor.ppo_mini_batch_size)
+            mini_batch_size = batch_size // mini_batches_per_update(self.config.data.train_batch_size, actor.ppo_mini_batch_size)
         return PPOUpdateConfig(
             mini_batch_size=mini_batch_size,
             micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
