@@ -82,9 +82,15 @@ def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
 
 
 def _cmd_make_dataset(ns: argparse.Namespace) -> int:
+    if ns.pairs:  # a folder of image pairs -> verl-omni's offline DPO layout
+        from omni_core.data.preference_pairs import make_pair_dataset
+
+        path = make_pair_dataset(ns.source, ns.out, data_source=ns.data_source or "offline_dpo")
+        print(f"preference pairs written to {path} (train on it with algorithm.sample_source=offline)")
+        return 0
     from omni_core.data.make_dataset import make_dataset
 
-    path = make_dataset(ns.text_file, ns.out, data_source=ns.data_source)
+    path = make_dataset(ns.source, ns.out, data_source=ns.data_source or "jpeg_compressibility")
     print(f"verl parquet written to {path}")
     return 0
 
@@ -345,10 +351,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
-    ds = sub.add_parser("make-dataset", help="write the verl parquet layout from a text file (one prompt per line)")
-    ds.add_argument("text_file")
+    ds = sub.add_parser(
+        "make-dataset",
+        help="write the verl parquet layout from a text file (one prompt per line), or with --pairs verl-omni's offline "
+        "DPO layout from a folder of image pairs",
+    )
+    ds.add_argument("source", help="a .txt file of prompts; with --pairs a folder of <name>.txt, <name>_win.png, <name>_lose.png")
     ds.add_argument("out", help="output .parquet path")
-    ds.add_argument("--data-source", default="jpeg_compressibility", help="data_source of every row (selects the reward)")
+    ds.add_argument("--pairs", action="store_true", help="SOURCE is a folder of preference pairs (offline Diffusion-DPO)")
+    ds.add_argument(
+        "--data-source",
+        default=None,
+        help="data_source of every row (prompts: selects the reward, default jpeg_compressibility; pairs: offline_dpo)",
+    )
     ds.set_defaults(func=_cmd_make_dataset)
     return parser
 

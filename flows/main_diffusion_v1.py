@@ -9,12 +9,13 @@ The stages, in the order of verl-omni's `main()` / `run_diffusion_v1()`:
      init_transfer_queue  tq.init, submitted without waiting: its processes start while stages 4-6 load the
                           embeddings and the actors; the flow waits for it before stage 7
   4. prepare_prompt_embeddings (cached across runs; the text encoders embed every prompt once, so they never stay
-                          on a worker's device); the run's GPU slots (`trainer.concurrency`, tasks/gpu_slots.py)
+                          on a worker's device), and with offline samples prepare_pair_latents (the preference pairs'
+                          images through the VAE once, cached too); the run's GPU slots (`trainer.concurrency`, tasks/gpu_slots.py)
                           are taken before it and given back after stage 8; then build_trainer:
                           get_diffusion_trainer_cls(trainer.v1.trainer_mode)(config), with the run record that
                           names the prompt-embeddings file
   5. init_trainer         trainer.init(): dataloader, training actor on Ray, checkpoint resume
-  6. init_agent_loop      the rollout workers
+  6. init_agent_loop      the rollout workers (none with offline samples: the stage is skipped)
   7. fit                  one `fit_epoch` task per epoch on Ray (prefect-ray), retried; an epoch that lost the
                           TransferQueue (a dead controller or storage unit) is redone from its last
                           checkpoint after `restart_transfer_queue`
@@ -49,6 +50,7 @@ from omniflow.tasks.init_trainer import init_trainer
 from omniflow.tasks.init_transfer_queue import init_transfer_queue
 from omniflow.tasks.load_tokenizer import load_tokenizer
 from omniflow.tasks.prepare_dataset import prepare_dataset
+from omniflow.tasks.prepare_pair_latents import prepare_pair_latents
 from omniflow.tasks.prepare_prompt_embeddings import prepare_prompt_embeddings
 from omniflow.tasks.publish_reports import publish_reward_curve, publish_run_summary
 from omniflow.tasks.restart_transfer_queue import restart_transfer_queue
@@ -226,7 +228,8 @@ def main_diffusion_v1(
         # once this run holds the folder, before Ray starts; the trainer hashes every byte when it loads it.
         resume_point = validate_resume(cfg)
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-        train, val = prepare_dataset(cfg.data, tokenizer)
+        offline = cfg.algorithm.sample_source == "offline"  # a data set's preference pairs: no rollout workers
+        train, val = prepare_dataset(cfg.data, tokenizer, offline)
         # A run of a finished experiment (the on-demand deployment triggered again from the UI resumes its experiment
         # unless new_experiment_per_run is set) starts nothing: its state message and summary say how to start anew.
         done_at = finished_step(cfg, resume_point, len(train))
@@ -242,6 +245,8 @@ def main_diffusion_v1(
             gpus.enter_context(gpu_slots(cfg, "the run"))
             embeddings = prepare_prompt_embeddings(cfg.actor_rollout_ref, cfg.trainer.device, train, val)
             run = dataclasses.replace(run, prompt_embeddings=embeddings)
+            if offline:
+                run = dataclasses.replace(run, pair_latents=prepare_pair_latents(cfg.actor_rollout_ref, cfg.trainer.device, train))
             trainer = build_trainer(cfg, run)
             if not owns_ray:
                 # A joined (multi-node) cluster: the TransferQueue is placed before the run's actors, as verl-omni
@@ -249,7 +254,8 @@ def main_diffusion_v1(
                 # storage unit must go, and tq.init would wait forever. A local cluster is one node: no such risk.
                 queue.result(timeout=QUEUE_START_TIMEOUT_S)
             trainer = init_trainer(trainer, train, val)
-            init_agent_loop(trainer)
+            if not offline:
+                init_agent_loop(trainer)
             queue.result(timeout=QUEUE_START_TIMEOUT_S)
             resume_from, start_step = trainer.resume_from, trainer.global_step
             epochs = fit(cfg, run, train, val, resume_from, trainer.start_epoch, trainer.end_epoch)

@@ -29,9 +29,11 @@ CODE_FILES: dict[str, tuple[str, ...]] = {
     # AutoTokenizer's folder lookup (model.tokenizer_path, tokenizer/, the model folder).
     "tokenizer": ("models/tokenizer.py",),
     # Prompt-file parsing into PromptRecords (the record type itself, pkg:// paths, the length check).
-    "dataset": ("data/prompts.py", "data/datasets.py", "data_files.py"),
+    "dataset": ("data/prompts.py", "data/datasets.py", "data/preference_pairs.py", "data_files.py"),
     # Text-encoder loading and each architecture's encode(): they decide the embeddings' values.
     "prompt-embeddings": ("models/prompt_embeddings.py", "models/arch.py", "models/loader.py"),
+    # Image loading, resizing and each architecture's encode_images(): they decide the offline pairs' latents.
+    "pair-latents": ("models/pair_latents.py", "models/arch.py", "models/loader.py"),
 }
 
 

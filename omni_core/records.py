@@ -62,6 +62,8 @@ class RunInfo:
     checkpoint_dir: str
     log_dir: str
     prompt_embeddings: str | None = None
+    # offline samples: the safetensors file of the preference pairs' image latents (`prepare_pair_latents`)
+    pair_latents: str | None = None
     started_at: float | None = None  # wall clock (time.time()) when the run started: the console's elapsed time
 
     @property

@@ -67,6 +67,12 @@ def standalone_rollout(config: Any) -> bool:
     return config.trainer.v1.trainer_mode == "separate_async"
 
 
+def offline_samples(config: Any) -> bool:
+    """`algorithm.sample_source=offline`: the training samples come from a data set (offline Diffusion-DPO's pairs), so
+    the run has no rollout workers."""
+    return config.algorithm.sample_source == "offline"
+
+
 def training_rank_count(config: Any) -> int:
     """`trainer.n_gpus_per_node x trainer.nnodes`: the data-parallel training ranks."""
     return config.trainer.n_gpus_per_node * config.trainer.nnodes
@@ -76,6 +82,8 @@ def hybrid_engine_obstacles(config: Any) -> list[tuple[str, str]]:
     """Why the rollout of `config` cannot run inside the training ranks (verl's hybrid engine), as `(key, reason)`
     pairs; empty when it can. One rollout worker per rank, in that rank's process, taking turns with its update."""
     out: list[tuple[str, str]] = []
+    if offline_samples(config):
+        return [("algorithm.sample_source", "offline samples come from a data set: the run has no rollout to run")]
     if standalone_rollout(config):
         out.append(("trainer.v1.trainer_mode", "separate_async samples on devices of its own while the ranks train"))
     workers, ranks = config.actor_rollout_ref.rollout.agent.num_workers, training_rank_count(config)
@@ -106,8 +114,10 @@ def separate_rollout_worker_count(config: Any) -> int:
 
 def rollout_worker_count(config: Any) -> int:
     """sync: `rollout.agent.num_workers`, colocated; separate_async: one worker per device of the standalone
-    pool, `rollout.nnodes x rollout.n_gpus_per_node` (on cpu: processes)."""
+    pool, `rollout.nnodes x rollout.n_gpus_per_node` (on cpu: processes); none with offline samples."""
     rollout = config.actor_rollout_ref.rollout
+    if offline_samples(config):
+        return 0
     if standalone_rollout(config):
         return rollout.nnodes * rollout.n_gpus_per_node
     return rollout.agent.num_workers

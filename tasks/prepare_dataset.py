@@ -2,11 +2,11 @@
 `truncation: error` against the tokenizer), cached across runs.
 
 The records are stored as JSON (`result_serializer="json"`), not pickled: reading a cached result never runs
-code. `PromptRecord` is a plain dataclass of JSON values, so the records come back equal.
+code. `PromptRecord` (and `PreferencePair`) is a plain dataclass of JSON values, so the records come back equal.
 
 Cache key: the sha256 of every prompt file plus the `data.*` fields that shape the records
-(`train_files`, `val_files`, `prompt_key`, `negative_prompt_key`, `train/val_max_samples`, `max_prompt_length`),
-the tokenizer they were checked with and the OmniFlow code version (`cache_keys.code_version`); any other
+(`train_files`, `val_files`, `prompt_key`, `negative_prompt_key`, `train/val_max_samples`, `max_prompt_length`, the
+pair columns `img_win_key` ...) and whether they hold preference pairs (offline samples), the tokenizer they were checked with and the OmniFlow code version (`cache_keys.code_version`); any other
 change leaves it valid.
 """
 
@@ -31,6 +31,10 @@ KEY_FIELDS = (
     "train_max_samples",
     "val_max_samples",
     "max_prompt_length",
+    "img_win_key",
+    "img_lose_key",
+    "win_score_key",
+    "lose_score_key",
 )
 
 
@@ -39,10 +43,14 @@ def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
     tokenizer: TokenizerInfo = parameters["tokenizer"]
     fields = {k: getattr(data, k) for k in KEY_FIELDS}
     fields["tokenizer"] = tokenizer.path
+    fields["pairs"] = parameters.get("pairs", False)  # the image files are keyed by prepare_pair_latents, which reads them
     return key_of("dataset", dataset_files(data), fields)
 
 
 @task(name="prepare_dataset", cache_key_fn=_cache_key, persist_result=True, result_serializer="json")
-def prepare_dataset(data: DataConfig, tokenizer: TokenizerInfo) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """(train prompts, validation prompts), each checked against `data.max_prompt_length`."""
-    return load_datasets(data, load_tokenizer(ModelConfig(path=tokenizer.path, tokenizer_path=tokenizer.path)))
+def prepare_dataset(
+    data: DataConfig, tokenizer: TokenizerInfo, pairs: bool = False
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(train prompts, validation prompts), each checked against `data.max_prompt_length`; `pairs` (offline
+    samples): the files hold preference pairs and the records are `PreferencePair`s."""
+    return load_datasets(data, load_tokenizer(ModelConfig(path=tokenizer.path, tokenizer_path=tokenizer.path)), pairs)

@@ -43,6 +43,15 @@ DIFFUSION_DPO = [
     "actor_rollout_ref.model.lora_alpha=8",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # a mini-batch is ppo_mini_batch_size pairs (2 x 2 samples)
 ]
+# verl-omni's offline Diffusion-DPO keys (its examples/dpo_trainer/sd35 recipe's selectors): the pairs data set, no rollout.
+OFFLINE_DPO = [
+    *(o for o in DIFFUSION_DPO if not o.startswith(("algorithm.sample_source", "actor_rollout_ref.rollout."))),
+    "algorithm.sample_source=offline",
+    "data.custom_cls.path=pkg://verl_omni.utils.dataset.offline_dpo_dataset",
+    "data.custom_cls.name=OfflineDPODataset",
+    "data.custom_cls.collate_fn=offline_dpo_collate_fn",
+    "trainer.val_before_train=false",
+]
 # The lean config (conftest's flow_overrides) on two data-parallel training ranks (actor.strategy=ddp, gloo on CPU).
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.strategy=ddp"]
 # ... sharded instead (actor.strategy=fsdp2): the session's two-rank flow reference (conftest.two_rank_reference).

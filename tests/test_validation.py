@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from flow_utils import DIFFUSION_DPO, DIFFUSION_NFT
+from flow_utils import DIFFUSION_DPO, DIFFUSION_NFT, OFFLINE_DPO
 
 from omni_core.config import ConfigError, load_config
 from omni_core.device import auto_set_device
@@ -14,6 +16,8 @@ CPU_ONLY = {"cuda": 0, "npu": 0, "cpu": 2}
 
 NFT = DIFFUSION_NFT  # verl-omni's DiffusionNFT keys (a valid config with the model override)
 DPO = DIFFUSION_DPO  # verl-omni's online Diffusion-DPO keys (likewise)
+# ... offline, on the small pair file shipped with the tests.
+OFFLINE = [*OFFLINE_DPO, f"data.train_files={Path(__file__).parent / 'data' / 'offline_dpo' / 'pairs.jsonl'}"]
 # (overrides, key path that the error must name, a fragment of the message)
 BAD_CONFIGS: list[tuple[list[str], str, str]] = [
     # unknown keys, typos and unsupported verl-omni keys / values
@@ -203,7 +207,22 @@ BAD_CONFIGS: list[tuple[list[str], str, str]] = [
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
         "even",
     ),
-    ([*DPO, "algorithm.sample_source=offline"], "algorithm.sample_source", "not available yet"),
+    # Offline Diffusion-DPO: a pairs data set, no rollout, reward or validation; data.custom_cls names only its data set.
+    ([*OFFLINE, "trainer.val_before_train=true"], "trainer.val_before_train", "nothing to validate"),
+    ([*OFFLINE, "trainer.test_freq=1"], "trainer.test_freq", "nothing to validate"),
+    ([*OFFLINE, "actor_rollout_ref.rollout.n=16"], "actor_rollout_ref.rollout.n", "not read with algorithm.sample_source=offline"),
+    (
+        [*OFFLINE, "reward.custom_reward_function.path=examples/rewards/brightness_reward.py"],
+        "reward.custom_reward_function.path",
+        "carry their scores",
+    ),
+    (["algorithm.sample_source=offline", "trainer.val_before_train=false", OFFLINE[-1]], "algorithm.sample_source", "only Diffusion-DPO"),
+    (["data.custom_cls.path=my_data.py", "data.custom_cls.name=MyDataset"], "data.custom_cls", "no dataset class of its own"),
+    (
+        [*DPO, "data.custom_cls.path=pkg://verl_omni.utils.dataset.offline_dpo_dataset", "data.custom_cls.name=OfflineDPODataset"],
+        "data.custom_cls",
+        "set algorithm.sample_source=offline",
+    ),
     ([*DPO, "actor_rollout_ref.rollout.algo.noise_level=0.3"], "actor_rollout_ref.rollout.algo.noise_level", "Diffusion-DPO's"),
     ([*DPO, "actor_rollout_ref.actor.use_kl_loss=true"], "actor_rollout_ref.actor.use_kl_loss", "dpo_beta"),
     (

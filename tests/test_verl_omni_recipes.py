@@ -75,6 +75,13 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
     # Online Diffusion-DPO: the same serving, offload and rank keys, and model.external_lib, verl-omni's own module of its
     # Qwen-Image DPO adapter (OmniFlow's is selected by model.algorithm=dpo); every DPO key is accepted.
     "run_qwen_image_online_dpo_lora": REFUSED_QWEN_IMAGE | {"actor_rollout_ref.model.external_lib"},
+    # Offline Diffusion-DPO: the chat template and the serving engine as in every recipe, and its SD3 DPO adapter's
+    # module (OmniFlow's is selected by model.algorithm=dpo); the pairs data set (data.custom_cls) is read as written.
+    "run_sd35_medium_offline_dpo_lora": {
+        "actor_rollout_ref.model.custom_chat_template",
+        "actor_rollout_ref.model.external_lib",
+        "actor_rollout_ref.rollout.name",
+    },
 }
 # Each recipe's script in verl-omni's examples/ (the data file's header names it).
 SCRIPTS = {
@@ -86,6 +93,7 @@ SCRIPTS = {
     "run_qwen_image_ocr_lora_rollout_corr": "flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora_rollout_corr.sh",
     "run_qwen_image_ocr_lora_diffusionnft": "diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
     "run_qwen_image_online_dpo_lora": "dpo_trainer/qwen_image/run_qwen_image_online_dpo_lora.sh",
+    "run_sd35_medium_offline_dpo_lora": "dpo_trainer/sd35/run_sd35_medium_offline_dpo_lora.sh",
 }
 
 # Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
@@ -103,6 +111,8 @@ def _key(override: str) -> str:
 
 @pytest.fixture(scope="module")
 def local_paths(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path_factory) -> dict[str, str]:
+    from test_offline_dpo import write_pair_file
+
     reward = tmp_path_factory.mktemp("recipe_reward") / "genrm_ocr.py"
     reward.write_text("def compute_score_ocr(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")
     prompts = "pkg://omni_core/assets/prompts"
@@ -112,6 +122,7 @@ def local_paths(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path_factory) -> dict[str
         "actor_rollout_ref.model.path": str(tiny_sd3_dir),
         "qwen-image": str(tiny_qwen_image_dir),  # the model of a qwen_image recipe
         "reward.custom_reward_function.path": str(reward),
+        "pairs": str(write_pair_file(tmp_path_factory.mktemp("recipe_pairs"))),  # the training file of an offline recipe
     }
 
 
@@ -120,6 +131,8 @@ def localised(name: str, local_paths: dict[str, str]) -> list[str]:
     paths = dict(local_paths)
     if "qwen_image" in name:
         paths["actor_rollout_ref.model.path"] = local_paths["qwen-image"]
+    if "offline" in name:
+        paths["data.train_files"] = local_paths["pairs"]
     out = []
     for override in recipe_overrides(name):
         key = _key(override)
@@ -144,7 +157,8 @@ def test_the_recipe_files_are_the_scripts_arguments():
         text = (RECIPES / f"{name}.txt").read_text()
         assert f"examples/{SCRIPTS[name]} at commit " in text.splitlines()[0]
         keys = [_key(o) for o in recipe_overrides(name)]
-        assert len(keys) == len(set(keys)) and set(LOCAL_PATHS) <= set(keys)
+        local = set(LOCAL_PATHS) - ({"reward.custom_reward_function.path"} if "offline" in name else set())  # no reward
+        assert len(keys) == len(set(keys)) and local <= set(keys)
         assert all(
             "$" not in o or o.startswith(("data.train_files=$HOME", "data.val_files=$HOME")) for o in recipe_overrides(name)
         )
@@ -259,3 +273,17 @@ def test_the_online_dpo_recipe_selects_diffusion_dpo_by_the_same_keys(local_path
     assert arr.actor.diffusion_loss.dpo_beta == 100.0 and not arr.rollout.calculate_log_probs and arr.rollout.n == 16
     assert (arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu) == (16, 8)
     assert arr.ref.log_prob_micro_batch_size_per_gpu == 8 and arr.model.lora_rank == 64
+
+
+def test_the_offline_dpo_recipe_selects_offline_diffusion_dpo_by_the_same_keys(local_paths):
+    """Without the refused keys, verl-omni's offline Diffusion-DPO recipe validates with its keys at the recipe's values:
+    the pairs data set, the DPO loss and beta, a mini-batch of 4 pairs (8 samples) in micro-batches of 8 samples, and
+    the training forward's guidance (`model.pipeline.guidance_scale`, OmniFlow's one pipeline setting with no rollout)."""
+    config = validated_without_refused("run_sd35_medium_offline_dpo_lora", local_paths)
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    assert (algo.trainer_type, algo.sample_source, algo.paired_preference) == ("direct_preference", "offline", True)
+    assert (arr.model.algorithm, arr.actor.diffusion_loss.loss_mode, arr.actor.diffusion_loss.dpo_beta) == ("dpo", "dpo", 100.0)
+    assert config.data.custom_cls.name == "OfflineDPODataset" and config.data.train_batch_size == 16
+    assert (arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu) == (4, 8)
+    assert arr.rollout.pipeline.guidance_scale == 4.0 and arr.model.lora_rank == 32
+    assert config.trainer.resume_mode == "disable" and not config.trainer.val_before_train

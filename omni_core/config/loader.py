@@ -135,6 +135,39 @@ def _key_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+def fold_model_pipeline(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[ConfigProblem]]:
+    """verl-omni's `actor_rollout_ref.model.pipeline.*`: the pipeline settings of its training adapter, which default to
+    `rollout.pipeline.*` (`oc.select`). OmniFlow trains and samples with one set, `rollout.pipeline`: with offline samples
+    (no rollout; verl-omni's offline DPO recipe sets `model.pipeline.guidance_scale`) the model's values are that set;
+    online, a value that differs from the rollout's is refused (its training forward would differ from its sampling)."""
+    tree = copy.deepcopy(dict(data))
+    model = tree.get("actor_rollout_ref", {}).get("model", {})
+    if not isinstance(model, dict) or "pipeline" not in model:
+        return tree, []
+    given = model.pop("pipeline")
+    if not isinstance(given, dict):
+        return tree, [ConfigProblem("actor_rollout_ref.model.pipeline", "must be a mapping of pipeline settings", given)]
+    rollout = tree["actor_rollout_ref"].setdefault("rollout", {}).setdefault("pipeline", {})
+    offline = tree.get("algorithm", {}).get("sample_source") == "offline"
+    problems = []
+    for name, value in given.items():
+        key = f"actor_rollout_ref.model.pipeline.{name}"
+        if name not in rollout:
+            problems.append(ConfigProblem(key, f"unknown key; OmniFlow's pipeline settings are actor_rollout_ref.rollout.pipeline.{{{', '.join(rollout)}}}", value))
+        elif offline:
+            rollout[name] = value
+        elif value != rollout[name]:
+            problems.append(
+                ConfigProblem(
+                    key,
+                    f"OmniFlow's training forward uses the rollout's pipeline settings, and actor_rollout_ref.rollout.pipeline."
+                    f"{name}={rollout[name]}: set that key instead (one value for both)",
+                    value,
+                )
+            )
+    return tree, problems
+
+
 # ---------------------------------------------------------------------------------------- entry
 def config_and_problems(data: Mapping[str, Any]) -> tuple[OmniFlowConfig | None, list[ConfigProblem]]:
     """Every key / value / type problem of a nested dict, and the config of what is left.
@@ -143,7 +176,8 @@ def config_and_problems(data: Mapping[str, Any]) -> tuple[OmniFlowConfig | None,
     cross-field rules can check the rest in the same round (`omni_core.validation.prepare_run_config`);
     None when even that does not validate.
     """
-    problems = check_keys(data)
+    data, folded = fold_model_pipeline(data)
+    problems = [*folded, *check_keys(data)]
     clean = without_keys(data, {p.key for p in problems})
     for _ in range(3):  # each round drops the keys pydantic refused (defaults stand in); one or two rounds end it
         try:

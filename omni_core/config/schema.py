@@ -81,6 +81,15 @@ class ConfigModel(BaseModel):
 _d = _Section("data")
 
 
+_dc = _Section("data.custom_cls")
+
+
+class CustomClsConfig(ConfigModel):
+    path: str | None = _dc("path")
+    name: str | None = _dc("name")
+    collate_fn: str | None = _dc("collate_fn")
+
+
 class DataConfig(ConfigModel):
     train_files: str | StrList = _d("train_files")
     val_files: str | StrList | None = _d("val_files")
@@ -96,6 +105,11 @@ class DataConfig(ConfigModel):
     dataloader_num_workers: NonNegInt = _d("dataloader_num_workers")
     train_max_samples: int = _d("train_max_samples")
     val_max_samples: int = _d("val_max_samples")
+    custom_cls: CustomClsConfig = _d.section("custom_cls", CustomClsConfig)
+    img_win_key: str = _d("img_win_key")
+    img_lose_key: str = _d("img_lose_key")
+    win_score_key: str = _d("win_score_key")
+    lose_score_key: str = _d("lose_score_key")
 
 
 # ------------------------------------------------------------------------------ actor_rollout_ref

@@ -140,10 +140,6 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
 # Each is a real schema key (a recipe that sets it to the default passes); drop an entry once the key
 # is implemented. `tests/test_config_keys.py` counts these as handled.
 REFUSED_WHEN_NOT_DEFAULT: dict[str, str] = {
-    "algorithm.sample_source": (
-        "offline samples (a precomputed preference data set: verl-omni's offline Diffusion-DPO) are not available "
-        "yet. Set it to online."
-    ),
     "data.dataloader_num_workers": (
         "prompts are held in memory after prepare_dataset checked them against the tokenizer; a loader worker "
         "has nothing to do. Set it to 0."

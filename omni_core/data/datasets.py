@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.config.schema import DataConfig
+from omni_core.data.preference_pairs import load_preference_pairs
 from omni_core.data.prompts import PromptRecord, load_prompts
 from omni_core.data_files import as_file_list, resolve_data_path
 
@@ -31,11 +32,27 @@ def check_prompt_lengths(records: list[PromptRecord], tokenizer: Any, max_len: i
             )
 
 
-def load_datasets(data: DataConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def load_datasets(data: DataConfig, tokenizer: Any, pairs: bool = False) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(train prompts, validation prompts; empty without `data.val_files`), each checked against
-    `data.max_prompt_length` tokens of `tokenizer`."""
+    `data.max_prompt_length` tokens of `tokenizer`. `pairs` (offline samples, `algorithm.sample_source=offline`): the
+    training files hold preference pairs (`omni_core.data.preference_pairs`), the records are `PreferencePair`s, and
+    there is no validation set (an offline run samples no images to score; validation refuses the keys that ask for
+    one), so `data.val_files` is not read."""
 
     def load(files: str | tuple[str, ...] | None, max_samples: int) -> list[PromptRecord]:
+        if pairs:
+            return list(
+                load_preference_pairs(
+                    as_file_list(files),
+                    prompt_key=data.prompt_key,
+                    negative_prompt_key=data.negative_prompt_key,
+                    win_key=data.img_win_key,
+                    lose_key=data.img_lose_key,
+                    win_score_key=data.win_score_key,
+                    lose_score_key=data.lose_score_key,
+                    max_samples=max_samples,
+                )
+            )
         return load_prompts(
             as_file_list(files),
             prompt_key=data.prompt_key,
@@ -44,7 +61,7 @@ def load_datasets(data: DataConfig, tokenizer: Any) -> tuple[list[PromptRecord],
         )
 
     train = load(data.train_files, data.train_max_samples)
-    val = load(data.val_files, data.val_max_samples) if data.val_files else []
+    val = load(data.val_files, data.val_max_samples) if data.val_files and not pairs else []
     check_prompt_lengths(train, tokenizer, data.max_prompt_length, "data.train_files")
     check_prompt_lengths(val, tokenizer, data.max_prompt_length, "data.val_files")
     return train, val

@@ -111,6 +111,15 @@ class ArchAdapter:
         image = vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
         return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Images in [-1, 1] ``[B, 3, H, W]`` -> latents in the layout ``latent_shape`` gives, the inverse of ``decode``
+        (the pipelines' ``(z - shift) * scaling``): the VAE posterior's mean, so an image always encodes the same."""
+        vae = self.pipe.vae
+        z = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode().float()
+        z = (z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        return self.noise_to_latents(z, height, width)
+
 
 class SD3Adapter(ArchAdapter):
     """StableDiffusion3Pipeline: spatial latents, three text encoders, timestep in [0, 1000]."""
@@ -172,6 +181,10 @@ class PixelSD3Adapter(SD3Adapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return ((latents.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return pixels.float().clone()
 
 
 class FluxAdapter(ArchAdapter):
@@ -330,6 +343,17 @@ class QwenImageAdapter(FluxAdapter):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
         image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0].float()
         return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The inverse of ``decode``: one-frame video ``[B, 3, 1, H, W]`` through the VAE, normalised by the VAE's
+        ``latents_mean`` / ``latents_std`` (QwenImageEditPipeline's image latents), packed."""
+        vae = self.pipe.vae
+        z = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mode().float()  # [B, C, 1, h, w]
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        return self.noise_to_latents(((z - mean) / std).transpose(1, 2), height, width)
 
 
 def adapter_for(pipe: DiffusionPipeline) -> ArchAdapter:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,12 +53,16 @@ def _generators(seeds: Sequence[int]) -> list[torch.Generator]:
 
 
 def _use_cfg(policy: FlowPolicy, guidance_scale: float, true_cfg_scale: float, negative_prompts) -> bool:
-    # The architecture says which scale is CFG (SD3: guidance_scale; FLUX, Qwen-Image: true_cfg_scale, while
-    # FLUX.1-dev's guidance_scale feeds only its guidance embedding) and whether CFG needs negative prompts
-    # (FluxPipeline / QwenImagePipeline run true CFG only with one; SD3 encodes "" itself).
-    arch = policy.arch
-    cfg = arch.cfg_scale(guidance_scale, true_cfg_scale) > 1.0
-    return cfg and (negative_prompts is not None or not arch.needs_negative_prompt)
+    return uses_cfg(policy.arch.architecture, guidance_scale, true_cfg_scale, negative_prompts)
+
+
+def uses_cfg(architecture: Any, guidance_scale: float, true_cfg_scale: float, negative_prompts) -> bool:
+    """Whether a batch of `architecture` (its `ARCHITECTURES` entry) runs classifier-free guidance. The architecture
+    says which scale is CFG (SD3: guidance_scale; FLUX, Qwen-Image: true_cfg_scale, while FLUX.1-dev's guidance_scale
+    feeds only its guidance embedding) and whether CFG needs negative prompts (FluxPipeline / QwenImagePipeline run
+    true CFG only with one; SD3 encodes "" itself)."""
+    scale = guidance_scale if architecture.cfg_scale == "guidance_scale" else true_cfg_scale
+    return scale > 1.0 and (negative_prompts is not None or not architecture.adapter_cls().needs_negative_prompt)
 
 
 @torch.no_grad()

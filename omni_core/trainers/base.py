@@ -201,8 +201,9 @@ class PolicyGradientDiffusionTrainerV1:
 
     def _start_agent_loop(self) -> None:
         """Start the rollout workers without waiting for them (`init_agent_loop` waits). A retried init keeps the
-        workers (and their owning handles) its failed try started. Hybrid engine: the workers are the ranks."""
-        if self.agent_loop is not None:
+        workers (and their owning handles) its failed try started. Hybrid engine: the workers are the ranks. Offline
+        samples: there are none."""
+        if self.agent_loop is not None or not rollout_worker_count(self.config):
             return
         if uses_hybrid_engine(self.config):
             assert self.ranks is not None, "the hybrid engine's rollout workers are the training ranks: start them first"
@@ -241,10 +242,12 @@ class PolicyGradientDiffusionTrainerV1:
         self.resume_from = str(path) if path else None
         self._restore(self.resume_from)
 
-    def init_agent_loop(self) -> AgentLoopManager:
-        """verl-omni's `init_agent_loop_manager()`: the rollout workers, given the current weights."""
+    def init_agent_loop(self) -> AgentLoopManager | None:
+        """verl-omni's `init_agent_loop_manager()`: the rollout workers, given the current weights (None: offline
+        samples, no rollout workers)."""
         self._start_agent_loop()
-        assert self.agent_loop is not None
+        if self.agent_loop is None:
+            return None
         self.agent_loop.wait_ready()
         self.feed.publish_weights(self.global_step)
         return self.agent_loop
@@ -255,7 +258,8 @@ class PolicyGradientDiffusionTrainerV1:
         names, t = self.run.names, self.config.trainer
         self.ranks = TrainingRanks.attach(names, t.n_gpus_per_node * t.nnodes, self.config.actor_rollout_ref.actor.strategy)
         self.actor = self.ranks.leader
-        self.agent_loop = AgentLoopManager.attach(names, rollout_worker_count(self.config), uses_hybrid_engine(self.config))
+        workers = rollout_worker_count(self.config)
+        self.agent_loop = AgentLoopManager.attach(names, workers, uses_hybrid_engine(self.config)) if workers else None
         tqc.attach()
 
     def close(self) -> None:
@@ -418,7 +422,7 @@ class PolicyGradientDiffusionTrainerV1:
 
     def step(self) -> dict[str, float]:
         """One training step (see the module docstring); returns its metrics."""
-        assert self.dataloader is not None and self.agent_loop is not None and self.tracking is not None
+        assert self.dataloader is not None and self.tracking is not None
         self.global_step += 1
         step, timer = self.global_step, Timer()
         t = self.config.trainer
@@ -626,7 +630,6 @@ class PolicyGradientDiffusionTrainerV1:
     def _drain_worker_logs(self, wait_s: float = LOG_DRAIN_WAIT_S, check: bool = True) -> None:
         """The rollout results' lines, then what the actors logged through `omni_core` loggers since the last
         drain. `check=False` (the end of an epoch, maybe failing): no liveness check that could raise again."""
-        assert self.agent_loop is not None
-        lines = self.agent_loop.drain_logs() if check else []
+        lines = self.agent_loop.drain_logs() if check and self.agent_loop is not None else []
         for level, line in [*lines, *self._actor_logs.collect(self._log_actors(), wait_s)]:
             self.log(line, level)

@@ -8,16 +8,21 @@ when, with which weights, and what a checkpoint keeps of the queue. The registry
 |---|---|---|
 | `sync` | `PolicyGradientDiffusionTrainerV1Sync` | `SyncFeed`: sampled each step, weights pushed after every step |
 | `separate_async` | `PolicyGradientDiffusionTrainerV1SeparateAsync` | `AheadFeed`: sampled ahead, weights every `parameter_sync_step` |
+
+Offline samples (`algorithm.sample_source=offline`, sync mode) are not a mode of their own in verl-omni either: its
+direct-preference trainer skips the rollout. `PreferenceDataTrainerV1` is the sync trainer with `PreferenceDataFeed`
+(the data set's pairs, no rollout workers); `build_diffusion_trainer` picks it.
 """
 
 from __future__ import annotations
 
 from omni_core.trainers.ahead_feed import AheadFeed
 from omni_core.trainers.base import PolicyGradientDiffusionTrainerV1
+from omni_core.trainers.preference_data_feed import PreferenceDataFeed
 from omni_core.trainers.registry import register_diffusion_trainer
 from omni_core.trainers.rollout_feed import SyncFeed
 
-__all__ = ["PolicyGradientDiffusionTrainerV1SeparateAsync", "PolicyGradientDiffusionTrainerV1Sync"]
+__all__ = ["PolicyGradientDiffusionTrainerV1SeparateAsync", "PolicyGradientDiffusionTrainerV1Sync", "PreferenceDataTrainerV1"]
 
 
 @register_diffusion_trainer("sync")
@@ -34,3 +39,10 @@ class PolicyGradientDiffusionTrainerV1SeparateAsync(PolicyGradientDiffusionTrain
 
     mode = "separate_async"
     feed_cls = AheadFeed
+
+
+class PreferenceDataTrainerV1(PolicyGradientDiffusionTrainerV1):
+    """sync, on offline samples: each step trains the data set's next preference pairs; no rollout workers."""
+
+    mode = "sync"
+    feed_cls = PreferenceDataFeed

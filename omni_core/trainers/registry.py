@@ -49,5 +49,10 @@ def get_diffusion_trainer_cls(name: str) -> type:
 
 
 def build_diffusion_trainer(config: Any, run: Any) -> Any:
-    """`get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)`: the run's controller."""
+    """`get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)`: the run's controller; with offline
+    samples (`algorithm.sample_source=offline`, sync mode only) the sync trainer fed by the data set's pairs."""
+    if config.algorithm.sample_source == "offline":
+        from omni_core.trainers.modes import PreferenceDataTrainerV1
+
+        return PreferenceDataTrainerV1(config, run)
     return get_diffusion_trainer_cls(config.trainer.v1.trainer_mode)(config, run)

@@ -60,7 +60,7 @@ def batch_size_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         )
     if data.gen_batch_size and tbs % data.gen_batch_size:
         p.append(ConfigProblem("data.gen_batch_size", f"must divide data.train_batch_size={tbs}", data.gen_batch_size))
-    if rollout.n < 2:
+    if rollout.n < 2 and config.algorithm.sample_source == "online":  # offline: a pair's two images
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.rollout.n",

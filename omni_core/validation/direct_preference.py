@@ -1,6 +1,6 @@
 """The direct-preference family (verl-omni's `algorithm.trainer_type=direct_preference`): DiffusionNFT's and online
-Diffusion-DPO's keys and what each cannot be combined with. (Offline samples, offline Diffusion-DPO's, are refused by
-`omni_core.config.unsupported.REFUSED_WHEN_NOT_DEFAULT` until they are available.)
+Diffusion-DPO's keys and what each cannot be combined with. (Offline samples, offline Diffusion-DPO's pairs data set,
+are `omni_core.validation.offline_samples`.)
 
 Each is selected by verl-omni's keys together: `model.algorithm` (its rollout: the ODE over the whole schedule, no
 log-probs), `model.model_type` (its engine), `diffusion_loss.loss_mode` and `algorithm.trainer_type=direct_preference`;
