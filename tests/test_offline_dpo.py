@@ -21,6 +21,7 @@ from omni_core.data.prompts import PromptFileError
 from omni_core.models.pair_latents import PairLatents, encode_pair_images, load_image_pixels, unique_images
 
 SIZE = 32
+EXAMPLE_PAIRS = "pkg://omni_core/assets/pairs/warm_over_cool.jsonl"  # the example's default data set
 PROMPTS = ["a red circle", "a blue square", "a green dot", "a white line"]
 
 
@@ -224,7 +225,43 @@ def test_a_pair_record_is_a_prompt_record():
     assert issubclass(PreferencePair, PromptRecord)
 
 
-# ----------------------------------------------------------------------------- one whole flow
+# ----------------------------------------------------------------------------- the example, and one whole flow
+EXAMPLE = Path(__file__).parent.parent / "examples" / "dpo_trainer" / "run_sd3_tiny_offline_dpo.sh"
+
+
+def example_overrides(**variables: str) -> list[str]:
+    """The key=value arguments of the example's `main_diffusion_v1` command, its shell variables set to `variables`."""
+    lines = EXAMPLE.read_text().split("main_diffusion_v1 \\\n", 1)[1].splitlines()
+    out = []
+    for line in lines:
+        line = line.strip().removesuffix("\\").strip()
+        if line == '"$@"':
+            break
+        for name, value in variables.items():
+            line = line.replace(f'"${name}"', value)
+        assert "$" not in line, line
+        out.append(line)
+    return out
+
+
+def test_the_example_validates_with_verl_omnis_offline_dpo_keys(tiny_sd3_dir):
+    """The example's command as `omniflow validate` runs it, with the data set shipped with OmniFlow (pkg://)."""
+    from omni_core.validation import prepare_run_config
+
+    config = prepare_run_config(None, example_overrides(MODEL_PATH=str(tiny_sd3_dir), PAIRS_FILE=EXAMPLE_PAIRS))
+    assert (config.algorithm.sample_source, config.actor_rollout_ref.actor.diffusion_loss.loss_mode) == ("offline", "dpo")
+    pairs = load_preference_pairs(EXAMPLE_PAIRS)
+    assert len(pairs) == 4 and all(Path(image).is_file() for pair in pairs for image in pair.images)
+
+
+def test_make_dataset_pairs_is_the_command_of_the_pair_layout(tmp_path, capsys):
+    from omniflow.flows.cli import main
+
+    out = tmp_path / "out" / "pairs.parquet"
+    assert main(["make-dataset", "--pairs", str(_pair_folder(tmp_path)), str(out)]) == 0
+    assert f"preference pairs written to {out}" in capsys.readouterr().out
+    assert [p.prompt for p in load_preference_pairs(str(out))] == PROMPTS
+
 def _margins(overrides: list[str], checkpoint: Path, pairs: list[PreferencePair]) -> torch.Tensor:
     """Diffusion-DPO's implicit preference of the trained policy, written out here (Wallace et al., eq. 14): at fresh
     noise points, D(x0) = err_theta(x0) - err_ref(x0) with err the flow-matching error ||v(x_t) - (eps - x0)||^2, and
@@ -257,9 +294,9 @@ def _margins(overrides: list[str], checkpoint: Path, pairs: list[PreferencePair]
 def test_an_offline_dpo_run_learns_the_pairs_preference_without_rollout_workers(
     prefect_api, ray_cluster, transfer_queue, tiny_sd3_dir, pair_file, tmp_path
 ):
-    """verl-omni's offline DPO keys through `main_diffusion_v1`: the pairs' images are encoded once (a
-    prepare_pair_latents task), no init_agent_loop stage and no rollout worker runs, and 3 epochs of 2 steps (2 pairs
-    each) move the policy towards every chosen image, measured independently of the run's own metrics."""
+    """The offline DPO example (verl-omni's offline DPO keys) through `main_diffusion_v1` on the test's pairs: the images
+    are encoded once (a prepare_pair_latents task), no init_agent_loop stage and no rollout worker runs, and 3 epochs of
+    2 steps (2 pairs each) move the policy towards every chosen image, measured independently of the run's metrics."""
     import math
 
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
@@ -270,18 +307,7 @@ def test_an_offline_dpo_run_learns_the_pairs_preference_without_rollout_workers(
 
     ckpt = tmp_path / "ckpt"
     overrides = [
-        f"actor_rollout_ref.model.path={tiny_sd3_dir}",
-        f"data.train_files={pair_file}",
-        *OFFLINE_DPO,
-        "data.train_batch_size=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.pipeline.height=32",
-        "actor_rollout_ref.rollout.pipeline.width=32",
-        "actor_rollout_ref.rollout.pipeline.guidance_scale=1.0",
-        "actor_rollout_ref.actor.diffusion_loss.dpo_beta=100",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "trainer.total_epochs=3",
-        "trainer.logger=[console,file]",
+        *example_overrides(MODEL_PATH=str(tiny_sd3_dir), PAIRS_FILE=str(pair_file)),
         "trainer.concurrency.gpu_limit=null",
         f"trainer.default_local_dir={ckpt}",
     ]
