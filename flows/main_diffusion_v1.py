@@ -99,6 +99,15 @@ class TrainResult(BaseModel):
         description="Step-to-step noise of critic/rewards/mean (std of consecutive differences / sqrt 2); "
         "None under 3 steps. (reward_last - reward_first) / reward_step_noise says how far learning stands out of it.",
     )
+    margin_first: float | None = Field(
+        default=None,
+        description=f"Diffusion-DPO runs: mean actor/rewards/margins (the implicit reward margin of chosen over rejected) "
+        f"of the first {REWARD_WINDOW} steps of this run; None for other losses.",
+    )
+    margin_last: float | None = Field(default=None, description=f"... of the last {REWARD_WINDOW} steps.")
+    offline: bool = Field(
+        default=False, description="Trained on a data set's preference pairs (algorithm.sample_source=offline): the rewards are their scores."
+    )
     checkpoint_dir: str = Field(description="The run's checkpoint folder.")
     note: str | None = Field(
         default=None, description="What the run says of itself: set when it resumed a finished experiment and trained nothing."
@@ -264,7 +273,7 @@ def main_diffusion_v1(
                 if queue is not None:
                     queue.wait(timeout=QUEUE_START_TIMEOUT_S)  # a start still running would race the close
                 close_transfer_queue(trainer, owns_ray)
-    result = summarize(run, epochs, resume_from, start_step)
+    result = summarize(run, epochs, resume_from, start_step, offline)
     publish_run_summary(run, epochs, result.final_checkpoint, result.global_step)
     return result
 
@@ -277,12 +286,23 @@ def finished_experiment(cfg: OmniFlowConfig, run: RunInfo, checkpoint: str, step
     return Completed(message=result.note, data=result)
 
 
-def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None = None, start_step: int = 0) -> TrainResult:
+def _window_means(values: list[float]) -> tuple[float | None, float | None]:
+    """The mean of the first and of the last `REWARD_WINDOW` values (None, None: no values)."""
+    if not values:
+        return None, None
+    first, last = values[:REWARD_WINDOW], values[-REWARD_WINDOW:]
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+def summarize(
+    run: RunInfo, epochs: list[EpochResult], resume_from: str | None = None, start_step: int = 0, offline: bool = False
+) -> TrainResult:
     """The run's typed result (a finished experiment's run gets its note in `finished_experiment`)."""
     steps = [m for e in epochs for m in e.step_metrics]
     rewards = [m["critic/rewards/mean"] for m in steps if "critic/rewards/mean" in m]
     first = rewards[:REWARD_WINDOW]
     last = rewards[-REWARD_WINDOW:]
+    margin_first, margin_last = _window_means([m["actor/rewards/margins"] for m in steps if "actor/rewards/margins" in m])
     val = next((e.val_metrics for e in reversed(epochs) if e.val_metrics), {})
     validations = [(step, metrics) for e in epochs for step, _, metrics in e.val_grids]
     if validations:  # every validation of this run, in step order (its grids carry the metrics)
@@ -301,6 +321,9 @@ def summarize(run: RunInfo, epochs: list[EpochResult], resume_from: str | None =
         reward_first=sum(first) / len(first) if first else math.nan,
         reward_last=sum(last) / len(last) if last else math.nan,
         reward_step_noise=None if math.isnan(noise := step_noise(rewards)) else noise,
+        margin_first=margin_first,
+        margin_last=margin_last,
+        offline=offline,
         checkpoint_dir=run.checkpoint_dir,
         log_dir=run.log_dir,
     )

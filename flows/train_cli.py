@@ -44,6 +44,11 @@ def _report(result: Any) -> None:
         "  artifacts:        omniflow-run-summary (reward curve), omniflow-validation (image grids), "
         "omniflow-reward-curve, omniflow-epoch-metrics, omniflow-checkpoint, omniflow-progress (Prefect UI)"
     )
+    if getattr(result, "margin_first", None) is not None:  # Diffusion-DPO: how far the policy prefers the chosen images
+        print(f"  DPO margin (actor/rewards/margins), first steps: {result.margin_first:.6f}")
+        print(f"  DPO margin (actor/rewards/margins), last steps:  {result.margin_last:.6f}")
+    if getattr(result, "offline", False):  # the rewards are the data set's scores: nothing to compare
+        return
     print(f"  mean reward, first steps: {result.reward_first:.6f}")
     change = result.reward_last - result.reward_first
     verdict = "higher" if change > 0 else "not higher"

@@ -313,7 +313,9 @@ def test_an_offline_dpo_run_learns_the_pairs_preference_without_rollout_workers(
     ]
     state = main_diffusion_v1(overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
-    assert state.result().global_step == 6
+    result = state.result()
+    assert result.global_step == 6 and result.offline
+    assert result.margin_last > result.margin_first  # the run's own account (the summary's DPO margin lines)
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     names = {t.name.rsplit("-", 1)[0] for t in tasks}
