@@ -176,16 +176,21 @@ def kill_mid_call(ckpt, name_part: str, class_name: str, method: str, killed: li
             os.kill(target.pid, signal.SIGCONT)
 
 
-def run_with_kill(flow_overrides, ckpt, experiment: str, name_part: str, class_name: str, method: str | None = None):
-    """A run of `flow_overrides` in `ckpt` with an actor killed after the first checkpoint (`kill_when`), or
-    while it runs `method` (`kill_mid_call`): (final state, [killed pid])."""
+def run_with_kill(
+    flow_overrides, ckpt, experiment: str, name_part: str, class_name: str, method: str | None = None, after_step: int = 1
+):
+    """A run of `flow_overrides` in `ckpt` with an actor killed after the checkpoint of `after_step` (`kill_when`), or
+    while it runs `method` after the first one (`kill_mid_call`): (final state, [killed pid])."""
     import threading
 
     from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
 
     killed: list[int] = []
-    target, args = (kill_when, ()) if method is None else (kill_mid_call, (method,))
-    watcher = threading.Thread(target=target, args=(ckpt, name_part, class_name, *args, killed), daemon=True)
+    if method is None:
+        target, args, kwargs = kill_when, (ckpt, name_part, class_name, killed), {"after_step": after_step}
+    else:
+        target, args, kwargs = kill_mid_call, (ckpt, name_part, class_name, method, killed), {}
+    watcher = threading.Thread(target=target, args=args, kwargs=kwargs, daemon=True)
     watcher.start()
     state = main_diffusion_v1(
         overrides=[*flow_overrides, f"trainer.default_local_dir={ckpt}", f"trainer.experiment_name={experiment}"],

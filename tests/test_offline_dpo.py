@@ -291,27 +291,28 @@ def _margins(overrides: list[str], checkpoint: Path, pairs: list[PreferencePair]
     return torch.stack(margins)
 
 
-def test_an_offline_dpo_run_learns_the_pairs_preference_without_rollout_workers(
-    prefect_api, ray_cluster, transfer_queue, tiny_sd3_dir, pair_file, tmp_path
-):
+@pytest.fixture(scope="module")
+def offline_run(prefect_api, ray_cluster, transfer_queue, tiny_sd3_dir, pair_file, tmp_path_factory):
+    """The example's run on the test's pairs, uninterrupted: (overrides without the folder, its final state, folder)."""
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+
+    ckpt = tmp_path_factory.mktemp("offline_run") / "ckpt"
+    overrides = [*example_overrides(MODEL_PATH=str(tiny_sd3_dir), PAIRS_FILE=str(pair_file)), "trainer.concurrency.gpu_limit=null"]
+    return overrides, main_diffusion_v1(overrides=[*overrides, f"trainer.default_local_dir={ckpt}"], return_state=True), ckpt
+
+
+def test_an_offline_dpo_run_learns_the_pairs_preference_without_rollout_workers(offline_run, pair_file):
     """The offline DPO example (verl-omni's offline DPO keys) through `main_diffusion_v1` on the test's pairs: the images
     are encoded once (a prepare_pair_latents task), no init_agent_loop stage and no rollout worker runs, and 3 epochs of
     2 steps (2 pairs each) move the policy towards every chosen image, measured independently of the run's metrics."""
     import math
 
-    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from omni_core.tracking import read_jsonl
 
-    ckpt = tmp_path / "ckpt"
-    overrides = [
-        *example_overrides(MODEL_PATH=str(tiny_sd3_dir), PAIRS_FILE=str(pair_file)),
-        "trainer.concurrency.gpu_limit=null",
-        f"trainer.default_local_dir={ckpt}",
-    ]
-    state = main_diffusion_v1(overrides=overrides, return_state=True)
+    overrides, state, ckpt = offline_run
     assert state.is_completed(), state.message
     result = state.result()
     assert result.global_step == 6 and result.offline
@@ -329,3 +330,19 @@ def test_an_offline_dpo_run_learns_the_pairs_preference_without_rollout_workers(
     assert records[0]["critic/rewards/mean"] == pytest.approx(0.5)  # the scores 1 and 0 are the rewards
     margins = _margins(overrides, ckpt / "global_step_6", load_preference_pairs(str(pair_file)))
     assert bool((margins > 0).all()), margins
+
+
+def test_a_training_rank_killed_mid_run_is_restarted_and_the_run_ends_with_the_same_weights(offline_run, tmp_path):
+    """SIGKILL of the training rank's process after epoch 1's checkpoint (step 2): Ray restarts it, the epoch is retried
+    from that checkpoint, and the run ends with the uninterrupted run's weights, bit for bit (the pairs, their order,
+    the noise and the sigma of every step are functions of the step, not of the process)."""
+    from flow_utils import assert_same_weights, final_weights, run_with_kill
+
+    overrides, reference, reference_ckpt = offline_run
+    assert reference.is_completed(), reference.message
+    ckpt = tmp_path / "ckpt"
+    state, killed = run_with_kill(overrides, ckpt, "offline-kill", "training-actor", "TrainingActor", after_step=2)
+    assert state.is_completed(), state.message
+    assert killed, "no training actor was killed"
+    assert state.result().global_step == 6
+    assert_same_weights(final_weights(ckpt), final_weights(reference_ckpt))
