@@ -82,6 +82,9 @@ EXPECTED_REFUSED: dict[str, set[str]] = {
         "actor_rollout_ref.model.external_lib",
         "actor_rollout_ref.rollout.name",
     },
+    # On-policy distillation: the SD3.5 recipes' serving and reward-model keys, and diffusion_loss.clip_ratio, which
+    # distill_kl does not read (no ratio; verl-omni's loss ignores it too).
+    "run_sd35_medium_ocr_distill": REFUSED_IN_BOTH | {"actor_rollout_ref.actor.diffusion_loss.clip_ratio"},
 }
 # Each recipe's script in verl-omni's examples/ (the data file's header names it).
 SCRIPTS = {
@@ -94,10 +97,12 @@ SCRIPTS = {
     "run_qwen_image_ocr_lora_diffusionnft": "diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh",
     "run_qwen_image_online_dpo_lora": "dpo_trainer/qwen_image/run_qwen_image_online_dpo_lora.sh",
     "run_sd35_medium_offline_dpo_lora": "dpo_trainer/sd35/run_sd35_medium_offline_dpo_lora.sh",
+    "run_sd35_medium_ocr_distill": "diffusionopd_trainer/sd35/run_sd35_medium_ocr_distill.sh",
 }
 
 # Keys whose recipe value is a path on the recipe author's machine: pointed at local files here.
 LOCAL_PATHS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "reward.custom_reward_function.path")
+TEACHER = "distillation.teacher_models.teacher_model.model_path"  # the distillation recipe's, pointed at a tiny teacher
 
 
 def recipe_overrides(name: str) -> list[str]:
@@ -123,6 +128,7 @@ def local_paths(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path_factory) -> dict[str
         "qwen-image": str(tiny_qwen_image_dir),  # the model of a qwen_image recipe
         "reward.custom_reward_function.path": str(reward),
         "pairs": str(write_pair_file(tmp_path_factory.mktemp("recipe_pairs"))),  # the training file of an offline recipe
+        TEACHER: str(tiny_sd3_dir),  # a teacher of the student's architecture and scheduler (here: the same weights)
     }
 
 
@@ -136,7 +142,7 @@ def localised(name: str, local_paths: dict[str, str]) -> list[str]:
     out = []
     for override in recipe_overrides(name):
         key = _key(override)
-        out.append(f"{key}={paths[key]}" if key in LOCAL_PATHS else override)
+        out.append(f"{key}={paths[key]}" if key in (*LOCAL_PATHS, TEACHER) else override)
     return out
 
 
@@ -287,3 +293,14 @@ def test_the_offline_dpo_recipe_selects_offline_diffusion_dpo_by_the_same_keys(l
     assert (arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu) == (4, 8)
     assert arr.rollout.pipeline.guidance_scale == 4.0 and arr.model.lora_rank == 32
     assert config.trainer.resume_mode == "disable" and not config.trainer.val_before_train
+
+
+def test_the_distillation_recipe_selects_on_policy_distillation_by_the_same_keys(local_paths):
+    """Without the refused keys, verl-omni's on-policy distillation recipe validates with its keys at the recipe's values:
+    the teacher switch and path, the distill_kl loss on Flow-GRPO's SDE sampler (CPS), no reference KL."""
+    config = validated_without_refused("run_sd35_medium_ocr_distill", local_paths)
+    arr = config.actor_rollout_ref
+    assert config.distillation.enabled and config.distillation.teacher_models.teacher_model.model_path == local_paths[TEACHER]
+    assert (arr.actor.diffusion_loss.loss_mode, arr.actor.use_kl_loss, arr.actor.use_distill_loss) == ("distill_kl", False, False)
+    assert (arr.model.algorithm, arr.rollout.algo.sde_type, arr.rollout.algo.sde_window_size) == ("flow_grpo", "cps", 3)
+    assert config.trainer.n_gpus_per_node == 2 and arr.actor.strategy == "fsdp2"

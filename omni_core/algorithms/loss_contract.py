@@ -18,6 +18,7 @@ Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*lat
     from the current policy         log_prob [b], prev_sample_mean [b, *latent], std_dev_t (scalar / [b] / broadcastable),
                                     velocity [b, *latent]                       (with gradient)
     from the reference policy       ref_prev_sample_mean [b, *latent], ref_velocity [b, *latent]   (no gradient)
+    from the teacher (distillation) teacher_prev_sample_mean [b, *latent]   (no gradient: `distillation.teacher_models`)
     from the stored trajectory      latents [b, *latent] (x_j), next_latents [b, *latent] (x_{j+1}),
                                     sigma [b], next_sigma [b], final_latents [b, *latent] (the window's last latent),
                                     sqrt_dt [b] (sqrt(sigma - next_sigma): the transition std is std_dev_t * sqrt_dt)
@@ -52,6 +53,7 @@ __all__ = [
     "LOSS_INPUTS",
     "OPTIONAL_INPUTS",
     "REFERENCE_INPUTS",
+    "TEACHER_INPUTS",
     "LossInputs",
     "LossSettings",
     "PolicyLoss",
@@ -76,6 +78,7 @@ class LossInputs:
     velocity: Tensor | None = None
     ref_prev_sample_mean: Tensor | None = None
     ref_velocity: Tensor | None = None
+    teacher_prev_sample_mean: Tensor | None = None
     latents: Tensor | None = None
     next_latents: Tensor | None = None
     sigma: Tensor | None = None
@@ -94,6 +97,7 @@ DATA_INPUTS = frozenset({"old_log_prob", "advantages", "rewards", "pair_index", 
 # Declared inputs that may stay None: the loss then runs without them (rollout correction off).
 OPTIONAL_INPUTS = frozenset({"rollout_weight"})
 REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
+TEACHER_INPUTS = frozenset({"teacher_prev_sample_mean"})  # a no-grad pass of the distillation teacher
 # Declaring any of these makes the loss a forward-process loss (the step function noises the final samples afresh).
 FORWARD_PROCESS_INPUTS = frozenset({"forward_latents", "forward_sigma", "old_velocity", "forward_noise"})
 FORWARD_SIGMAS = ("rollout_schedule", "train_schedule")  # a forward-process loss's `forward_sigmas` (above)
@@ -108,6 +112,8 @@ class LossSettings:
     adv_clip_max: float
     kl_coef: float = 0.0  # 0: no KL term
     kl_type: str = "transition_mean"  # actor.kl_loss_type: transition_mean | velocity
+    distill_coef: float = 0.0  # actor.distill_loss_coef with actor.use_distill_loss (0: no distillation term)
+    distill_mode: str = "distill_kl"  # actor.distill_loss_mode: what the distillation term compares
     options: Mapping[str, Any] = field(default_factory=dict)
 
 

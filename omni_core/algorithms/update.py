@@ -74,6 +74,7 @@ class StepOutput:
             grad), or None when the KL term is off or compares velocities.
         velocity: ``[b, *latent]`` the current policy's predicted velocity (with grad), for ``kl_type="velocity"``.
         ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
+        teacher_prev_sample_mean: ``[b, *latent]`` the distillation teacher's transition mean (no grad).
         latents, next_latents, sigma, next_sigma, final_latents, sqrt_dt: the stored trajectory's, for a loss that
             declares them (see ``LossInputs``).
         forward_latents, forward_sigma, forward_noise, old_velocity: a forward-process loss's point, the noise that
@@ -88,6 +89,7 @@ class StepOutput:
     ref_prev_sample_mean: Tensor | None = None
     velocity: Tensor | None = None
     ref_velocity: Tensor | None = None
+    teacher_prev_sample_mean: Tensor | None = None
     latents: Tensor | None = None
     next_latents: Tensor | None = None
     sigma: Tensor | None = None
@@ -127,6 +129,8 @@ class PPOUpdateConfig:
     seed: int
     loss_mode: str = "flow_grpo"
     kl_type: str = "transition_mean"
+    distill_coef: float = 0.0  # actor.distill_loss_coef with actor.use_distill_loss: the distillation term's weight
+    distill_mode: str = "distill_kl"  # actor.distill_loss_mode
     dp_rank: int = 0  # this process's data-parallel rank, of dp_size (trainer.n_gpus_per_node x trainer.nnodes)
     dp_size: int = 1
     loss_options: Mapping[str, Any] = field(default_factory=dict)
@@ -134,7 +138,15 @@ class PPOUpdateConfig:
 
     def loss_settings(self) -> LossSettings:
         """The scalars the loss reads."""
-        return LossSettings(self.clip_ratio, self.adv_clip_max, self.kl_coef, self.kl_type, dict(self.loss_options))
+        return LossSettings(
+            self.clip_ratio,
+            self.adv_clip_max,
+            self.kl_coef,
+            self.kl_type,
+            self.distill_coef,
+            self.distill_mode,
+            dict(self.loss_options),
+        )
 
     def group_size(self) -> int:
         """How many adjacent samples the active loss treats as one group (kept in one micro-batch)."""

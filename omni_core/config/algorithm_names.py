@@ -16,6 +16,7 @@ __all__ = [
     "ADV_ESTIMATOR_NAMES",
     "ADV_MODE_NAMES",
     "DERIVED_SELECTORS",
+    "DISTILL_LOSSES",
     "FORWARD_PROCESS_ALGORITHMS",
     "FORWARD_PROCESS_LOSSES",
     "OLD_POLICY_DECAY_SCHEDULES",
@@ -103,7 +104,12 @@ LOSSES: dict[str, LossEntry] = {
     ),
     # Diffusion-DPO on each prompt group's (chosen, rejected) pair: no ratio, no advantages.
     "dpo": LossEntry("omni_core.algorithms.losses.dpo", {"dpo_beta": "positive_float"}, unread=("clip_ratio", "adv_clip_max")),
+    # On-policy distillation: the transition KL to a frozen teacher (distillation.teacher_models); no ratio, no advantages.
+    "distill_kl": LossEntry("omni_core.algorithms.losses.distill_kl", unread=("clip_ratio", "adv_clip_max")),
 }
+# The losses that read the distillation teacher's predictions (distillation.enabled goes with one of them, or with
+# actor.use_distill_loss on a policy-gradient loss).
+DISTILL_LOSSES = ("distill_kl",)
 LOSS_MODE_NAMES = tuple(LOSSES)
 
 # algorithm.rollout_correction.rollout_rs options (verl's rejection-sampling statistics; omni_core.algorithms.rollout_correction).

@@ -221,6 +221,9 @@ class ActorConfig(ConfigModel):
     use_kl_loss: bool = _a("use_kl_loss")
     kl_loss_coef: Annotated[float, Field(ge=0)] = _a("kl_loss_coef")
     kl_loss_type: Literal["transition_mean", "velocity"] = _a("kl_loss_type")
+    use_distill_loss: bool = _a("use_distill_loss")
+    distill_loss_mode: Literal["distill_kl"] = _a("distill_loss_mode")
+    distill_loss_coef: Annotated[float, Field(gt=0)] = _a("distill_loss_coef")
     detach_uncond_cfg: bool = _a("detach_uncond_cfg")
     ema: EmaConfig = _a.section("ema", EmaConfig)
     checkpoint: CheckpointContentsConfig = _a.section("checkpoint", CheckpointContentsConfig)
@@ -615,6 +618,26 @@ class RayKwargsConfig(ConfigModel):
 
 
 # -------------------------------------------------------------------------------------- the root
+_tm = _Section("distillation.teacher_models.teacher_model")
+
+
+class TeacherModelConfig(ConfigModel):
+    model_path: str | None = _tm("model_path")
+    revision: str | None = _tm("revision")
+
+
+class TeacherModelsConfig(ConfigModel):
+    teacher_model: TeacherModelConfig = _Section("distillation.teacher_models").section("teacher_model", TeacherModelConfig)
+
+
+_dist = _Section("distillation")
+
+
+class DistillationConfig(ConfigModel):
+    enabled: bool = _dist("enabled")
+    teacher_models: TeacherModelsConfig = _dist.section("teacher_models", TeacherModelsConfig)
+
+
 class OmniFlowConfig(ConfigModel):
     """The whole OmniFlow config (verl-omni key paths). Build it with `omni_core.config.load_config`."""
 
@@ -622,6 +645,7 @@ class OmniFlowConfig(ConfigModel):
     actor_rollout_ref: ActorRolloutRefConfig = Field(
         default_factory=ActorRolloutRefConfig, description=_COMMENTS.get("actor_rollout_ref")
     )
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig, description=_COMMENTS.get("distillation"))
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description=_COMMENTS.get("algorithm"))
     reward: RewardConfig = Field(default_factory=RewardConfig, description=_COMMENTS.get("reward"))
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description=_COMMENTS.get("trainer"))

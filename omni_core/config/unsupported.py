@@ -35,7 +35,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "actor_rollout_ref.ref.veomni_config": _FSDP,
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": _FSDP,
     "actor_rollout_ref.model.fsdp_layer_prefixes": _FSDP,
-    "actor_rollout_ref.actor.use_distill_loss": "distillation losses are not implemented in OmniFlow; remove this key.",
     "actor_rollout_ref.actor.profiler": _PROFILER,
     "actor_rollout_ref.ref.profiler": _PROFILER,
     "actor_rollout_ref.rollout.profiler": _PROFILER,
@@ -108,13 +107,18 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     ),
     "trainer.video_fps": _VIDEO,
     "global_profiler": _PROFILER,
-    "distillation": "distillation is not implemented in OmniFlow; remove this section.",
     "algorithm.use_kl_in_reward": "KL is a loss term in OmniFlow (actor.use_kl_loss), never a reward term.",
     "transfer_queue.backend.MooncakeStore": "OmniFlow uses TransferQueue's SimpleStorage backend only.",
 }
 
 # (key path, value) pairs verl-omni accepts and OmniFlow rejects, with what to use instead.
+_FM_MSE = (
+    "distill_fm_mse compares the student's and the teacher's flow predictions, which nothing produces on the "
+    "policy-gradient path (verl-omni refuses it too); use distill_kl, the KL of the transitions."
+)
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
+    "actor_rollout_ref.actor.diffusion_loss.loss_mode": {"distill_fm_mse": _FM_MSE},
+    "actor_rollout_ref.actor.distill_loss_mode": {"distill_fm_mse": _FM_MSE},
     "actor_rollout_ref.rollout.name": {
         "vllm_omni": "vLLM-Omni rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",
         "sglang": "SGLang rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",

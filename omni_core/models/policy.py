@@ -96,6 +96,7 @@ class FlowPolicy:
         self.base_transformer = self.pipeline.transformer
         self.lora_config = None
         self._reference: torch.nn.Module | None = None
+        self._teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (`load_teacher`)
 
         if is_lora:
             self.base_transformer.requires_grad_(False)
@@ -214,6 +215,26 @@ class FlowPolicy:
             "graph_breaks": int(sum(counters["graph_break"].values())),
         }
 
+    def load_teacher(self, path: str | Path, revision: str | None = None) -> None:
+        """Load on-policy distillation's teacher (verl-omni's `distillation.teacher_models.teacher_model`): the
+        transformer of a full pipeline of the same architecture (a local folder or a Hub id at `revision`; LoRA must be
+        merged first), frozen, in this policy's dtype and device. It replays the student's transitions on the student's
+        noise grid, so a scheduler config other than the student's is refused, naming both."""
+        folder = resolve_model_path(path, revision, key="distillation.teacher_models.teacher_model.model_path")
+        teacher = load_pipeline(folder, type(self.pipeline).__name__, torch_dtype=self.dtype, text_encoders=False)
+        mine, theirs = dict(self.scheduler.config), dict(teacher.scheduler.config)
+        differ = sorted(k for k in set(mine) | set(theirs) if not k.startswith("_") and mine.get(k) != theirs.get(k))
+        if differ:
+            raise ValueError(
+                f"distillation.teacher_models.teacher_model.model_path={path}: its scheduler differs from the student's "
+                f"({', '.join(f'{k}: {theirs.get(k)!r} vs {mine.get(k)!r}' for k in differ[:4])}); the teacher replays the "
+                "student's transitions on the student's noise grid, so use a teacher of the same scheduler config"
+            )
+        self._teacher = teacher.transformer.to(self.device).requires_grad_(False).eval()
+        setter = getattr(self._teacher, "set_attention_backend", None)
+        if setter is not None:  # the student's attention backend (validated when the policy was built)
+            setter(self.attn_backend)
+
     def ensure_reference(self) -> None:
         """Make the frozen reference model if one is needed (full fine-tuning only; LoRA disables adapters)."""
         if not self.is_lora and self._reference is None:
@@ -285,6 +306,7 @@ class FlowPolicy:
         width: int | None = None,
         detach_uncond: bool = False,
         true_cfg_scale: float = 1.0,
+        use_teacher: bool = False,
     ) -> torch.Tensor:
         """Predicted velocity ``[B, *latent_shape]`` (fp32) at per-sample ``timesteps [B]`` (scheduler units).
 
@@ -292,7 +314,8 @@ class FlowPolicy:
         architecture's CFG scale is above 1 (``arch.cfg_scale``: SD3 ``guidance_scale``; FLUX and Qwen-Image
         ``true_cfg_scale``), combined by ``arch.combine_cfg`` (Qwen-Image rescales to the conditional norm);
         a guidance-distilled transformer (FLUX.1-dev) takes ``guidance_scale`` in its guidance embedding.
-        ``use_reference=True`` evaluates the reference policy under ``no_grad``.
+        ``use_reference=True`` evaluates the reference policy under ``no_grad``; ``use_teacher=True`` the distillation
+        teacher (`load_teacher`), likewise.
         ``detach_uncond``: no gradient flows through the unconditional branch of CFG (flow_grpo's training
         forward); the value is the same.
         """
@@ -310,7 +333,11 @@ class FlowPolicy:
 
         role, model = ("wrapped", self._forward_module) if self._forward_module is not None else ("trained", self.transformer)
         adapter_ctx, grad_ctx = contextlib.nullcontext(), contextlib.nullcontext()
-        if use_reference:
+        if use_teacher:
+            if self._teacher is None:
+                raise ValueError("no distillation teacher is loaded (load_teacher)")
+            role, grad_ctx, model = "teacher", torch.no_grad(), self._teacher
+        elif use_reference:
             role, grad_ctx, model = "reference", torch.no_grad(), self.transformer
             if self.is_lora:
                 adapter_ctx = self.transformer.disable_adapter()
@@ -363,6 +390,8 @@ class FlowPolicy:
         modules["trained"] = self.transformer
         if self._reference is not None:
             modules["reference"] = self._reference
+        if self._teacher is not None:
+            modules["teacher"] = self._teacher
         return modules
 
     # ----------------------------------------------------------------------------- trainable state

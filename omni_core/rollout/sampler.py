@@ -241,11 +241,13 @@ def score_transitions(
     use_reference: bool = False,
     detach_uncond: bool = False,
     true_cfg_scale: float = 1.0,
+    use_teacher: bool = False,
 ) -> TransitionScore:
     """Re-score window step ``step`` of every sample under the current (or reference) policy.
 
     Returns ``(log_prob [B], prev_sample_mean [B, *S], std_dev_t [B, 1, ...], velocity [B, *S])``; gradients
-    flow through the policy's velocity unless ``use_reference`` (``detach_uncond``: not through CFG's
+    flow through the policy's velocity unless ``use_reference`` or ``use_teacher`` (the distillation teacher's,
+    `FlowPolicy.load_teacher`) (``detach_uncond``: not through CFG's
     unconditional branch). With unchanged weights and the same batch, the log-prob equals the rollout's bit
     for bit (ratio exactly 1 in fp32).
     """
@@ -261,6 +263,7 @@ def score_transitions(
         width=width,
         detach_uncond=detach_uncond,
         true_cfg_scale=true_cfg_scale,
+        use_teacher=use_teacher,
     )
     _, log_prob, mean, std = sde_step_from_sigmas(
         v,

@@ -15,6 +15,7 @@ The rules live in one module per group, found by name:
   algorithm       advantage estimator, loss mode, LoRA keys
   direct_preference  DiffusionNFT's keys and what it cannot be combined with; pairs (DPO)
   offline_samples offline Diffusion-DPO's pairs data set (sample_source=offline) and data.custom_cls
+  distillation    the teacher switch with a loss that reads it, the teacher pipeline and its noise grid
   precision       actor.fsdp_config.model_dtype below fp32 only under LoRA
   trainer_modes   registered modes, separate_async's requirements
   devices         devices requested vs present, the ray.init arguments, the run's Ray CPU / GPU budget
@@ -40,6 +41,7 @@ from omni_core.validation.batch_sizes import batch_size_problems
 from omni_core.validation.data_files import data_file_problems
 from omni_core.validation.devices import device_problems
 from omni_core.validation.direct_preference import direct_preference_problems
+from omni_core.validation.distillation import distillation_problems
 from omni_core.validation.guidance import guidance_problems
 from omni_core.validation.offline_samples import offline_sample_problems
 from omni_core.validation.paths import path_problems
@@ -75,6 +77,7 @@ def config_problems(
         *algorithm_problems(config),
         *direct_preference_problems(config),
         *offline_sample_problems(config),
+        *distillation_problems(config),
         *precision_problems(config),
         *device_problems(config, device_counts),
         *path_problems(config),

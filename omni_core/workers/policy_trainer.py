@@ -27,7 +27,13 @@ import torch
 from omni_core.algorithms.diffusion_dpo import preferred, sample_train_steps
 from omni_core.algorithms.diffusion_nft import forward_process, old_policy_decay, refresh_old_policy, select_train_timesteps
 from omni_core.algorithms.ema import WeightsEMA
-from omni_core.algorithms.loss_contract import FORWARD_PROCESS_INPUTS, REFERENCE_INPUTS, check_declared, forward_sigmas
+from omni_core.algorithms.loss_contract import (
+    FORWARD_PROCESS_INPUTS,
+    REFERENCE_INPUTS,
+    TEACHER_INPUTS,
+    check_declared,
+    forward_sigmas,
+)
 from omni_core.algorithms.registry import get_policy_loss
 from omni_core.algorithms.rollout_correction import RolloutCorrection
 from omni_core.algorithms.update import (
@@ -130,6 +136,9 @@ class PolicyTrainer:
         self.policy = FlowPolicy.from_model_config(arr.model, **kwargs)
         if self.needs & REFERENCE_INPUTS:
             self.policy.ensure_reference()  # before any sharding: the reference stays a whole, frozen copy
+        if self.needs & TEACHER_INPUTS:  # on-policy distillation: a third, frozen transformer (verl-omni's teacher)
+            teacher = self.config.distillation.teacher_models.teacher_model
+            self.policy.load_teacher(teacher.model_path, teacher.revision)
         # torch.compile wraps the modules as they are at each forward: FSDP2 later shards the wrapped transformer in
         # place, and a DDP wrapper gets a wrapper of its own at its first forward.
         if arr.actor.use_torch_compile:
@@ -270,6 +279,8 @@ class PolicyTrainer:
             seed=actor.data_loader_seed + local.seed_step(global_step),
             loss_mode=actor.diffusion_loss.loss_mode,
             kl_type=actor.kl_loss_type,
+            distill_coef=actor.distill_loss_coef if actor.use_distill_loss else 0.0,
+            distill_mode=actor.distill_loss_mode,
             dp_rank=self.rank,
             dp_size=self.world_size,
             # A loss's own keys; algorithm.adv_mode is DiffusionNFT's mapping of advantages (its loss reads it).
@@ -277,8 +288,8 @@ class PolicyTrainer:
             bypass_correction=self.correction if self.config.algorithm.rollout_correction.bypass_mode else None,
         )
 
-    def score(self, traj: Trajectory, j: int, use_reference: bool = False) -> TransitionScore:
-        """Window step `j` of `traj` re-scored under the policy (or its reference)."""
+    def score(self, traj: Trajectory, j: int, use_reference: bool = False, use_teacher: bool = False) -> TransitionScore:
+        """Window step `j` of `traj` re-scored under the policy (or its reference, or the distillation teacher)."""
         rollout = self.config.actor_rollout_ref.rollout
         return score_transitions(
             self.policy,
@@ -289,6 +300,7 @@ class PolicyTrainer:
             noise_level=rollout.algo.noise_level,
             sde_type=rollout.algo.sde_type,
             use_reference=use_reference,
+            use_teacher=use_teacher,
             detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
         )
 
@@ -323,19 +335,29 @@ class PolicyTrainer:
     @torch.no_grad()
     def reference_predictions(self, traj: Trajectory) -> dict[str, torch.Tensor]:
         """The reference policy's values the loss declares, each `[B, W, *latent]`: `ref_prev_sample_mean` (its
-        transition means) and / or `ref_velocity`; in micro-batches of `ref.log_prob_micro_batch_size_per_gpu`
-        (default: the update's micro-batch), as verl's ref pass. Empty when the loss declares neither."""
+        transition means) and / or `ref_velocity`, and the distillation teacher's `teacher_prev_sample_mean` (verl-omni's
+        teacher scoring: the teacher replays each stored transition); in micro-batches of
+        `ref.log_prob_micro_batch_size_per_gpu` (default: the update's micro-batch), as verl's ref pass. Empty when the
+        loss declares none."""
         arr = self.config.actor_rollout_ref
         micro = arr.ref.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu
-        fields = {"ref_prev_sample_mean": "prev_sample_mean", "ref_velocity": "velocity"}
+        # key -> (the TransitionScore field, which model scores it)
+        fields = {
+            "ref_prev_sample_mean": ("prev_sample_mean", "reference"),
+            "ref_velocity": ("velocity", "reference"),
+            "teacher_prev_sample_mean": ("prev_sample_mean", "teacher"),
+        }
         wanted = [key for key in fields if key in self.needs]
         out = {key: torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32) for key in wanted}
+        models = sorted({fields[key][1] for key in wanted})
         for idx in torch.arange(traj.batch_size).split(micro) if wanted else []:
             part = traj.index_select(idx).to(self.policy.device)
             for j in range(traj.window_size):
-                scored = self.score(part, j, use_reference=True)
-                for key in wanted:
-                    out[key][idx, j] = getattr(scored, fields[key]).float().cpu()
+                for model in models:
+                    scored = self.score(part, j, use_reference=model == "reference", use_teacher=model == "teacher")
+                    for key in wanted:
+                        if fields[key][1] == model:
+                            out[key][idx, j] = getattr(scored, fields[key][0]).float().cpu()
         return out
 
     # ------------------------------------------------------------------------------- the training step

@@ -6,6 +6,7 @@ the step's std (`transition_mean`) or the predicted velocities (`velocity`), eac
 math is `omni_core.algorithms.flow_grpo`'s:
 
     L_j = policy_loss(logp_j, old_logp_j, A) + kl_coef * KL_j       (paper Eq. 5-6)
+          [+ distill_coef * KL(p_theta || p_teacher)_j]                (actor.use_distill_loss: on-policy distillation)
 """
 
 from __future__ import annotations
@@ -23,17 +24,41 @@ KL_INPUTS = {
 }
 
 
-def kl_inputs(settings: LossSettings) -> frozenset[str]:
-    """What the KL penalty to the reference reads (nothing when it is off); every policy-gradient loss adds it."""
-    if settings.kl_coef <= 0:
+# The distillation term (actor.use_distill_loss): the KL of the current transition to the teacher's, same form.
+DISTILL_INPUTS = frozenset({"prev_sample_mean", "std_dev_t", "teacher_prev_sample_mean"})
+# actor.distill_loss_mode -> what the term reads (verl-omni's distill_fm_mse has no producer on this path: refused).
+DISTILL_TERMS = {"distill_kl": DISTILL_INPUTS}
+
+
+def distill_inputs(settings: LossSettings) -> frozenset[str]:
+    """What the distillation term reads (nothing when it is off)."""
+    if settings.distill_coef <= 0:
         return frozenset()
+    if settings.distill_mode not in DISTILL_TERMS:
+        raise ValueError(f"unknown distill_loss_mode {settings.distill_mode!r}; choose {', '.join(DISTILL_TERMS)}")
+    return DISTILL_TERMS[settings.distill_mode]
+
+
+def kl_inputs(settings: LossSettings) -> frozenset[str]:
+    """What the penalty terms read: the KL to the reference (when `kl_coef` > 0) and the distillation KL to the teacher
+    (when `distill_coef` > 0); nothing when both are off. Every policy-gradient loss adds them."""
+    distill = distill_inputs(settings)
+    if settings.kl_coef <= 0:
+        return distill
     if settings.kl_type not in KL_INPUTS:
         raise ValueError(f"unknown kl_type {settings.kl_type!r}; choose transition_mean or velocity")
-    return KL_INPUTS[settings.kl_type]
+    return KL_INPUTS[settings.kl_type] | distill
 
 
 def with_kl_penalty(loss: Tensor, metrics: dict[str, Tensor], x: LossInputs, settings: LossSettings) -> Tensor:
-    """``loss + kl_coef * KL`` (the KL `actor.kl_loss_type` names, to the reference policy); records ``kl_loss``."""
+    """``loss + kl_coef * KL + distill_coef * KL_teacher`` (the KL `actor.kl_loss_type` names, to the reference policy;
+    verl-omni's `use_distill_loss` term, the transition KL to the distillation teacher); records ``kl_loss`` and, with
+    the teacher, ``distill_kl_loss``."""
+    if settings.distill_coef > 0:
+        assert x.prev_sample_mean is not None and x.teacher_prev_sample_mean is not None and x.std_dev_t is not None
+        distill = kl_loss(x.prev_sample_mean, x.teacher_prev_sample_mean, x.std_dev_t)
+        loss = loss + settings.distill_coef * distill
+        metrics["distill_kl_loss"] = distill.detach()
     kl = loss.new_zeros(())
     if settings.kl_coef > 0:
         if settings.kl_type == "velocity":
