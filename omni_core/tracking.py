@@ -264,7 +264,16 @@ class Tracking:
         done = min(step, self.total_steps) if self.total_steps else step
         filled = int(width * done / self.total_steps) if self.total_steps else 0
         bar = "#" * filled + "." * (width - filled)
-        keys = ("critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm")
+        # The reward, then each loss family's own (policy gradient, Diffusion-DPO, distillation), then the gradient.
+        keys = (
+            "critic/rewards/mean",
+            "actor/pg_loss",
+            "actor/ppo_kl",
+            "actor/dpo_loss",
+            "actor/rewards/margins",
+            "actor/distill_kl_loss",
+            "actor/grad_norm",
+        )
         parts = [f"{k.split('/', 1)[1]}={m[k]:.4g}" for k in keys if k in m]
         if "timing_s/step" in m:
             self._step_seconds.append(float(m["timing_s/step"]))
