@@ -346,3 +346,32 @@ def test_a_training_rank_killed_mid_run_is_restarted_and_the_run_ends_with_the_s
     assert killed, "no training actor was killed"
     assert state.result().global_step == 6
     assert_same_weights(final_weights(ckpt), final_weights(reference_ckpt))
+
+
+def test_verl_omnis_offline_dpo_recipe_trains_one_epoch_on_the_tiny_sd3(offline_run, tiny_sd3_dir, tmp_path):
+    """verl-omni's offline DPO recipe as written (its sizes: 16 pairs a step in mini-batches of 4 pairs and micro-batches
+    of 8 samples, LoRA rank 32 on a bf16 base, CFG 4.0 in the training forward), without its refused keys, with the local
+    model and a 16-pair file, for one epoch (`trainer.total_training_steps=1`: one epoch of 16 pairs; the recipe's is
+    1,000 steps) and the console and file loggers."""
+    from omniflow.flows.main_diffusion_v1 import main_diffusion_v1
+    from test_verl_omni_recipes import EXPECTED_REFUSED, _key, recipe_overrides
+
+    name = "run_sd35_medium_offline_dpo_lora"
+    folder = tmp_path / "pairs16"
+    folder.mkdir()
+    for i in range(16):
+        (folder / f"{i:03d}.txt").write_text(f"picture number {i}\n")
+        _image(folder / f"{i:03d}_win.png", 2 * i, bright=True)
+        _image(folder / f"{i:03d}_lose.png", 2 * i + 1, bright=False)
+    pairs = make_pair_dataset(folder, tmp_path / "train.parquet")
+    local = {"data.train_files": str(pairs), "data.val_files": str(pairs), "actor_rollout_ref.model.path": str(tiny_sd3_dir)}
+    overrides = [
+        f"{_key(o)}={local[_key(o)]}" if _key(o) in local else o
+        for o in recipe_overrides(name)
+        if not any(_key(o) == k or _key(o).startswith(k + ".") for k in EXPECTED_REFUSED[name])
+    ]
+    ckpt = tmp_path / "ckpt"
+    extra = ["trainer.total_training_steps=1", "trainer.logger=[console,file]", "trainer.concurrency.gpu_limit=null", f"trainer.default_local_dir={ckpt}"]
+    state = main_diffusion_v1(overrides=[*overrides, *extra], return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result().global_step == 1 and (ckpt / "global_step_1" / "actor" / "model.safetensors").is_file()
