@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.config.schema import DataConfig
-from omni_core.data.preference_pairs import load_preference_pairs
+from omni_core.data.preference_pairs import pairs_of_config
 from omni_core.data.prompts import PromptRecord, load_prompts
 from omni_core.data_files import as_file_list, resolve_data_path
 
@@ -41,18 +41,7 @@ def load_datasets(data: DataConfig, tokenizer: Any, pairs: bool = False) -> tupl
 
     def load(files: str | tuple[str, ...] | None, max_samples: int) -> list[PromptRecord]:
         if pairs:
-            return list(
-                load_preference_pairs(
-                    as_file_list(files),
-                    prompt_key=data.prompt_key,
-                    negative_prompt_key=data.negative_prompt_key,
-                    win_key=data.img_win_key,
-                    lose_key=data.img_lose_key,
-                    win_score_key=data.win_score_key,
-                    lose_score_key=data.lose_score_key,
-                    max_samples=max_samples,
-                )
-            )
+            return list(pairs_of_config(as_file_list(files), data, max_samples))
         return load_prompts(
             as_file_list(files),
             prompt_key=data.prompt_key,

@@ -124,22 +124,26 @@ def load_preference_pairs(
     return pairs
 
 
+def pairs_of_config(files: str | list[str] | tuple[str, ...], data: Any, max_samples: int = -1) -> list[PreferencePair]:
+    """`load_preference_pairs` with the column names of `data` (the `data` config section)."""
+    return load_preference_pairs(
+        files,
+        prompt_key=data.prompt_key,
+        negative_prompt_key=data.negative_prompt_key,
+        win_key=data.img_win_key,
+        lose_key=data.img_lose_key,
+        win_score_key=data.win_score_key,
+        lose_score_key=data.lose_score_key,
+        max_samples=max_samples,
+    )
+
+
 def check_pair_file(path: Path, data: Any) -> int:
     """Check, cheaply and before anything starts, that `path` will load as preference pairs (`data`: the `data` config
     section); returns its number of pairs. A parquet file is read by its footer only (the prompt and image columns);
     JSON / JSONL files are read whole, images included. Raises `PromptFileError` naming the file and the fix."""
     if path.suffix.lower() != ".parquet":
-        return len(
-            load_preference_pairs(
-                [str(path)],
-                prompt_key=data.prompt_key,
-                negative_prompt_key=data.negative_prompt_key,
-                win_key=data.img_win_key,
-                lose_key=data.img_lose_key,
-                win_score_key=data.win_score_key,
-                lose_score_key=data.lose_score_key,
-            )
-        )
+        return len(pairs_of_config([str(path)], data))
     import pyarrow.parquet as pq
 
     try:

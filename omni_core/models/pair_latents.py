@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from omni_core.cache_keys import key_of
 from omni_core.models.hub import model_folder, resolve_model_path
 from omni_core.models.model_index import read_model_index
+from omni_core.models.prompt_embeddings import save_file_atomically
 
 FORMAT = "omniflow-pair-latents/1"
 # The pipeline components that encoding reads: the VAE (and the scheduler the pipeline class expects).
@@ -135,14 +134,7 @@ def encode_pair_images(
         "device": torch.device(device).type,
         "images": json.dumps(sorted(set(images))),
     }
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, out_file)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out_file
+    return save_file_atomically(tensors, out_file, metadata)
 
 
 class PairLatents:

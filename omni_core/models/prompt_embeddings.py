@@ -191,6 +191,12 @@ def encode_prompt_set(
         "dtype": str(torch_dtype).removeprefix("torch."),
         "device": torch.device(device).type,
     }
+    return save_file_atomically(tensors, out_file, metadata)
+
+
+def save_file_atomically(tensors: dict[str, torch.Tensor], out_file: Path, metadata: dict[str, str]) -> Path:
+    """Write a safetensors file the way every cached set-up file is written: a temporary file in the same folder,
+    then `os.replace`, so a reader never sees half a file. Returns `out_file`."""
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
     try:
