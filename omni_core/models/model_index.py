@@ -43,3 +43,9 @@ def transformer_guidance_embeds(path: Path) -> bool:
         return bool(json.loads(config_file.read_text()).get("guidance_embeds", False))
     except (OSError, json.JSONDecodeError):
         return False
+
+
+def config_differences(mine: dict, theirs: dict) -> list[str]:
+    """The keys (diffusers' private `_...` ones left out) whose values differ between two component configs, sorted:
+    e.g. a distillation teacher's scheduler against the student's."""
+    return sorted(k for k in set(mine) | set(theirs) if not k.startswith("_") and mine.get(k) != theirs.get(k))

@@ -36,6 +36,7 @@ from omni_core.models import lora
 from omni_core.models.arch import adapter_for
 from omni_core.models.hub import TRANSFORMERS_SKIP, resolve_model_path
 from omni_core.models.loader import load_pipeline
+from omni_core.models.model_index import config_differences
 from omni_core.sde import Generators, randn_per_sample
 
 # Graphs Dynamo may keep per compiled code object before it falls back to eager for good (its default, 8, can be
@@ -223,7 +224,7 @@ class FlowPolicy:
         folder = resolve_model_path(path, revision, key="distillation.teacher_models.teacher_model.model_path")
         teacher = load_pipeline(folder, type(self.pipeline).__name__, torch_dtype=self.dtype, text_encoders=False)
         mine, theirs = dict(self.scheduler.config), dict(teacher.scheduler.config)
-        differ = sorted(k for k in set(mine) | set(theirs) if not k.startswith("_") and mine.get(k) != theirs.get(k))
+        differ = config_differences(mine, theirs)
         if differ:
             raise ValueError(
                 f"distillation.teacher_models.teacher_model.model_path={path}: its scheduler differs from the student's "

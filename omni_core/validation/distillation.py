@@ -10,6 +10,7 @@ from pathlib import Path
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.algorithm_names import DISTILL_LOSSES
 from omni_core.models.hub import hub_problem, is_hub_id
+from omni_core.models.model_index import config_differences
 
 TEACHER = "distillation.teacher_models.teacher_model.model_path"
 
@@ -79,7 +80,7 @@ def _teacher_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
     if not is_hub_id(config.actor_rollout_ref.model.path):  # both local: the noise grids must be one (checked again at load)
         mine, theirs = _scheduler_config(student), _scheduler_config(folder)
         if mine is not None and theirs is not None:
-            differ = sorted(k for k in set(mine) | set(theirs) if not k.startswith("_") and mine.get(k) != theirs.get(k))
+            differ = config_differences(mine, theirs)
             if differ:
                 return [
                     ConfigProblem(
