@@ -272,6 +272,7 @@ class Tracking:
             "actor/dpo_loss",
             "actor/rewards/margins",
             "actor/distill_kl_loss",
+            "actor/distill_fm_mse_loss",
             "actor/grad_norm",
         )
         parts = [f"{k.split('/', 1)[1]}={m[k]:.4g}" for k in keys if k in m]

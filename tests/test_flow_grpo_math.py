@@ -200,6 +200,6 @@ def test_registries_resolve_names_and_list_choices_for_unknown_ones():
         get_adv_estimator("gae")
     with pytest.raises(
         ValueError,
-        match=r"unknown loss mode 'kto'.*\['dance_grpo', 'diffusion_nft', 'distill_kl', 'dpo', 'flow_dppo', 'flow_grpo', 'grpo_guard'\]",
+        match=r"unknown loss mode 'kto'.*\['dance_grpo', 'diffusion_nft', 'distill_fm_mse', 'distill_kl', 'dpo', 'flow_dppo', 'flow_grpo', 'grpo_guard'\]",
     ):
         get_policy_loss("kto")

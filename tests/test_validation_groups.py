@@ -275,7 +275,7 @@ def test_light_name_lists_equal_the_registries():
 
     assert set(ADV_ESTIMATORS) == set(ADV_ESTIMATOR_NAMES) == {"flow_grpo", "dance_grpo"}
     assert (
-        set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo", "dance_grpo", "grpo_guard", "flow_dppo", "diffusion_nft", "dpo", "distill_kl"}
+        set(LOSS_MODES) == set(LOSS_MODE_NAMES) == {"flow_grpo", "dance_grpo", "grpo_guard", "flow_dppo", "diffusion_nft", "dpo", "distill_kl", "distill_fm_mse"}
     )
     assert set(REWARD_FUNCTIONS) == set(BUILTIN_REWARD_NAMES) == {"jpeg_compressibility", "jpeg_incompressibility"}
     # The recipe's reward is declared by the installed package, not built in.

@@ -18,7 +18,8 @@ Inputs on offer, for a micro-batch of ``b`` samples at window step ``j`` (``*lat
     from the current policy         log_prob [b], prev_sample_mean [b, *latent], std_dev_t (scalar / [b] / broadcastable),
                                     velocity [b, *latent]                       (with gradient)
     from the reference policy       ref_prev_sample_mean [b, *latent], ref_velocity [b, *latent]   (no gradient)
-    from the teacher (distillation) teacher_prev_sample_mean [b, *latent]   (no gradient: `distillation.teacher_models`)
+    from the teacher (distillation) teacher_prev_sample_mean [b, *latent], teacher_velocity [b, *latent]
+                                    (no gradient: `distillation.teacher_models`; the teacher replays the transition)
     from the stored trajectory      latents [b, *latent] (x_j), next_latents [b, *latent] (x_{j+1}),
                                     sigma [b], next_sigma [b], final_latents [b, *latent] (the window's last latent),
                                     sqrt_dt [b] (sqrt(sigma - next_sigma): the transition std is std_dev_t * sqrt_dt)
@@ -79,6 +80,7 @@ class LossInputs:
     ref_prev_sample_mean: Tensor | None = None
     ref_velocity: Tensor | None = None
     teacher_prev_sample_mean: Tensor | None = None
+    teacher_velocity: Tensor | None = None
     latents: Tensor | None = None
     next_latents: Tensor | None = None
     sigma: Tensor | None = None
@@ -97,7 +99,7 @@ DATA_INPUTS = frozenset({"old_log_prob", "advantages", "rewards", "pair_index", 
 # Declared inputs that may stay None: the loss then runs without them (rollout correction off).
 OPTIONAL_INPUTS = frozenset({"rollout_weight"})
 REFERENCE_INPUTS = frozenset({"ref_prev_sample_mean", "ref_velocity"})  # a no-grad pass of the reference policy
-TEACHER_INPUTS = frozenset({"teacher_prev_sample_mean"})  # a no-grad pass of the distillation teacher
+TEACHER_INPUTS = frozenset({"teacher_prev_sample_mean", "teacher_velocity"})  # a no-grad pass of the distillation teacher
 # Declaring any of these makes the loss a forward-process loss (the step function noises the final samples afresh).
 FORWARD_PROCESS_INPUTS = frozenset({"forward_latents", "forward_sigma", "old_velocity", "forward_noise"})
 FORWARD_SIGMAS = ("rollout_schedule", "train_schedule")  # a forward-process loss's `forward_sigmas` (above)

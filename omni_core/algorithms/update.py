@@ -75,6 +75,7 @@ class StepOutput:
         velocity: ``[b, *latent]`` the current policy's predicted velocity (with grad), for ``kl_type="velocity"``.
         ref_velocity: ``[b, *latent]`` the reference policy's velocity (no grad), for ``kl_type="velocity"``.
         teacher_prev_sample_mean: ``[b, *latent]`` the distillation teacher's transition mean (no grad).
+        teacher_velocity: ``[b, *latent]`` the distillation teacher's velocity at ``latents[:, j]`` (no grad).
         latents, next_latents, sigma, next_sigma, final_latents, sqrt_dt: the stored trajectory's, for a loss that
             declares them (see ``LossInputs``).
         forward_latents, forward_sigma, forward_noise, old_velocity: a forward-process loss's point, the noise that
@@ -90,6 +91,7 @@ class StepOutput:
     velocity: Tensor | None = None
     ref_velocity: Tensor | None = None
     teacher_prev_sample_mean: Tensor | None = None
+    teacher_velocity: Tensor | None = None
     latents: Tensor | None = None
     next_latents: Tensor | None = None
     sigma: Tensor | None = None

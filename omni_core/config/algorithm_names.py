@@ -106,10 +106,12 @@ LOSSES: dict[str, LossEntry] = {
     "dpo": LossEntry("omni_core.algorithms.losses.dpo", {"dpo_beta": "positive_float"}, unread=("clip_ratio", "adv_clip_max")),
     # On-policy distillation: the transition KL to a frozen teacher (distillation.teacher_models); no ratio, no advantages.
     "distill_kl": LossEntry("omni_core.algorithms.losses.distill_kl", unread=("clip_ratio", "adv_clip_max")),
+    # ... or the mean squared gap of the velocities to the teacher's at the student's transition points.
+    "distill_fm_mse": LossEntry("omni_core.algorithms.losses.distill_fm_mse", unread=("clip_ratio", "adv_clip_max")),
 }
 # The losses that read the distillation teacher's predictions (distillation.enabled goes with one of them, or with
-# actor.use_distill_loss on a policy-gradient loss).
-DISTILL_LOSSES = ("distill_kl",)
+# actor.use_distill_loss on a policy-gradient loss); each is also an actor.distill_loss_mode, the same term added.
+DISTILL_LOSSES = ("distill_kl", "distill_fm_mse")
 LOSS_MODE_NAMES = tuple(LOSSES)
 
 # algorithm.rollout_correction.rollout_rs options (verl's rejection-sampling statistics; omni_core.algorithms.rollout_correction).

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
-from omni_core.config.algorithm_names import ADV_MODE_NAMES, LOSSES, OLD_POLICY_DECAY_SCHEDULE_NAMES
+from omni_core.config.algorithm_names import ADV_MODE_NAMES, DISTILL_LOSSES, LOSSES, OLD_POLICY_DECAY_SCHEDULE_NAMES
 from omni_core.config.defaults_file import load_defaults
 
 _VALUES, _COMMENTS = load_defaults()
@@ -222,7 +222,7 @@ class ActorConfig(ConfigModel):
     kl_loss_coef: Annotated[float, Field(ge=0)] = _a("kl_loss_coef")
     kl_loss_type: Literal["transition_mean", "velocity"] = _a("kl_loss_type")
     use_distill_loss: bool = _a("use_distill_loss")
-    distill_loss_mode: Literal["distill_kl"] = _a("distill_loss_mode")
+    distill_loss_mode: Literal[DISTILL_LOSSES] = _a("distill_loss_mode")  # type: ignore[valid-type]
     distill_loss_coef: Annotated[float, Field(gt=0)] = _a("distill_loss_coef")
     detach_uncond_cfg: bool = _a("detach_uncond_cfg")
     ema: EmaConfig = _a.section("ema", EmaConfig)

@@ -112,13 +112,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
 }
 
 # (key path, value) pairs verl-omni accepts and OmniFlow rejects, with what to use instead.
-_FM_MSE = (
-    "distill_fm_mse compares the student's and the teacher's flow predictions, which nothing produces on the "
-    "policy-gradient path (verl-omni refuses it too); use distill_kl, the KL of the transitions."
-)
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
-    "actor_rollout_ref.actor.diffusion_loss.loss_mode": {"distill_fm_mse": _FM_MSE},
-    "actor_rollout_ref.actor.distill_loss_mode": {"distill_fm_mse": _FM_MSE},
     "actor_rollout_ref.rollout.name": {
         "vllm_omni": "vLLM-Omni rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",
         "sglang": "SGLang rollout is not available in OmniFlow; use actor_rollout_ref.rollout.name=diffusers.",

@@ -1,4 +1,4 @@
-"""On-policy distillation (verl-omni's `distillation.*`, `diffusion_loss.loss_mode=distill_kl`, `actor.use_distill_loss`):
+"""On-policy distillation (verl-omni's `distillation.*`, `diffusion_loss.loss_mode=distill_kl|distill_fm_mse`, `actor.use_distill_loss`):
 the teacher switch goes with a loss that reads the teacher, and the reverse (verl-omni's `validate_distillation_config`),
 on the policy-gradient loop, with a teacher pipeline that exists and samples on the student's noise grid."""
 
@@ -25,7 +25,7 @@ def distillation_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
             ConfigProblem(
                 "distillation.enabled",
                 f"builds a teacher that no loss reads (loss_mode={loss_mode}): set actor_rollout_ref.actor.diffusion_loss."
-                "loss_mode=distill_kl, or actor_rollout_ref.actor.use_distill_loss=true, or set it to false",
+                "loss_mode=distill_kl (or distill_fm_mse), or actor_rollout_ref.actor.use_distill_loss=true, or set it to false",
                 True,
             )
         )
@@ -46,7 +46,7 @@ def distillation_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.actor.use_kl_loss",
-                f"loss_mode={loss_mode} is the distillation KL alone (verl-omni's DistillKLLoss adds no reference KL); for "
+                f"loss_mode={loss_mode} is the distillation term alone (verl-omni's distillation losses add no reference KL); for "
                 "both terms use a policy-gradient loss with actor.use_distill_loss=true and actor.use_kl_loss=true",
                 True,
             )

@@ -335,8 +335,8 @@ class PolicyTrainer:
     @torch.no_grad()
     def reference_predictions(self, traj: Trajectory) -> dict[str, torch.Tensor]:
         """The reference policy's values the loss declares, each `[B, W, *latent]`: `ref_prev_sample_mean` (its
-        transition means) and / or `ref_velocity`, and the distillation teacher's `teacher_prev_sample_mean` (verl-omni's
-        teacher scoring: the teacher replays each stored transition); in micro-batches of
+        transition means) and / or `ref_velocity`, and the distillation teacher's `teacher_prev_sample_mean` or
+        `teacher_velocity` (verl-omni's teacher scoring: the teacher replays each stored transition); in micro-batches of
         `ref.log_prob_micro_batch_size_per_gpu` (default: the update's micro-batch), as verl's ref pass. Empty when the
         loss declares none."""
         arr = self.config.actor_rollout_ref
@@ -346,6 +346,7 @@ class PolicyTrainer:
             "ref_prev_sample_mean": ("prev_sample_mean", "reference"),
             "ref_velocity": ("velocity", "reference"),
             "teacher_prev_sample_mean": ("prev_sample_mean", "teacher"),
+            "teacher_velocity": ("velocity", "teacher"),
         }
         wanted = [key for key in fields if key in self.needs]
         out = {key: torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32) for key in wanted}

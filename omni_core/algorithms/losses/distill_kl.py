@@ -8,32 +8,34 @@ teacher in place of the reference (`omni_core.algorithms.flow_grpo.kl_loss`):
     L_j = mean_{latent}(mu_theta - mu_teacher)^2 / (2 std_dev_t^2)          averaged over the micro-batch
 
 No advantages, no ratio: the rewards are still scored, and monitored only. A student equal to the teacher has loss 0
-and gradient 0.
+and gradient 0. `PureDistillationLoss` is also `distill_fm_mse`'s (`omni_core.algorithms.losses.distill_fm_mse`): the
+term of `DISTILL_TERMS` alone.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from omni_core.algorithms.flow_grpo import kl_loss
 from omni_core.algorithms.loss_contract import LossInputs, LossSettings
-from omni_core.algorithms.losses.flow_grpo import DISTILL_INPUTS
+from omni_core.algorithms.losses.flow_grpo import DISTILL_TERMS, distill_term
 
-__all__ = ["LOSS", "DistillKLLoss"]
+__all__ = ["LOSS", "PureDistillationLoss"]
 
 
-class DistillKLLoss:
-    """The transition KL of the student to the teacher at every window step."""
+class PureDistillationLoss:
+    """One distillation term of `DISTILL_TERMS` (the gap to the teacher) at every window step, and nothing else."""
 
     group_size = 1
 
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
     def inputs(self, settings: LossSettings) -> frozenset[str]:
-        return DISTILL_INPUTS
+        return DISTILL_TERMS[self.mode][0]
 
     def __call__(self, x: LossInputs, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
-        assert x.prev_sample_mean is not None and x.teacher_prev_sample_mean is not None and x.std_dev_t is not None
-        loss = kl_loss(x.prev_sample_mean, x.teacher_prev_sample_mean, x.std_dev_t)
-        return loss, {"distill_kl_loss": loss.detach()}
+        loss = distill_term(self.mode, x)
+        return loss, {f"{self.mode}_loss": loss.detach()}
 
 
-LOSS = DistillKLLoss()
+LOSS = PureDistillationLoss("distill_kl")

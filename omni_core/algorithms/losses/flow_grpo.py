@@ -6,17 +6,19 @@ the step's std (`transition_mean`) or the predicted velocities (`velocity`), eac
 math is `omni_core.algorithms.flow_grpo`'s:
 
     L_j = policy_loss(logp_j, old_logp_j, A) + kl_coef * KL_j       (paper Eq. 5-6)
-          [+ distill_coef * KL(p_theta || p_teacher)_j]                (actor.use_distill_loss: on-policy distillation)
+          [+ distill_coef * D_teacher_j]         (actor.use_distill_loss: on-policy distillation, DISTILL_TERMS below)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor
 
 from omni_core.algorithms.flow_grpo import kl_loss, policy_loss, velocity_kl_loss
 from omni_core.algorithms.loss_contract import LossInputs, LossSettings
 
-__all__ = ["LOSS", "FlowGRPOLoss", "kl_inputs", "with_kl_penalty"]
+__all__ = ["DISTILL_TERMS", "LOSS", "FlowGRPOLoss", "distill_term", "kl_inputs", "with_kl_penalty"]
 
 KL_INPUTS = {
     "transition_mean": frozenset({"prev_sample_mean", "std_dev_t", "ref_prev_sample_mean"}),
@@ -24,10 +26,19 @@ KL_INPUTS = {
 }
 
 
-# The distillation term (actor.use_distill_loss): the KL of the current transition to the teacher's, same form.
-DISTILL_INPUTS = frozenset({"prev_sample_mean", "std_dev_t", "teacher_prev_sample_mean"})
-# actor.distill_loss_mode -> what the term reads (verl-omni's distill_fm_mse has no producer on this path: refused).
-DISTILL_TERMS = {"distill_kl": DISTILL_INPUTS}
+# The distillation term (actor.use_distill_loss), by actor.distill_loss_mode: what it reads and its value.
+# distill_kl: the KL of the current transition to the teacher's (the KL penalty's form, the teacher for the reference);
+# distill_fm_mse: the mean squared gap of the flow predictions, mean((v_theta - v_teacher)^2), at the transition's start.
+DISTILL_TERMS: dict[str, tuple[frozenset[str], Callable[[LossInputs], Tensor]]] = {
+    "distill_kl": (
+        frozenset({"prev_sample_mean", "std_dev_t", "teacher_prev_sample_mean"}),
+        lambda x: kl_loss(x.prev_sample_mean, x.teacher_prev_sample_mean, x.std_dev_t),
+    ),
+    "distill_fm_mse": (
+        frozenset({"velocity", "teacher_velocity"}),
+        lambda x: velocity_kl_loss(x.velocity, x.teacher_velocity),
+    ),
+}
 
 
 def distill_inputs(settings: LossSettings) -> frozenset[str]:
@@ -36,7 +47,15 @@ def distill_inputs(settings: LossSettings) -> frozenset[str]:
         return frozenset()
     if settings.distill_mode not in DISTILL_TERMS:
         raise ValueError(f"unknown distill_loss_mode {settings.distill_mode!r}; choose {', '.join(DISTILL_TERMS)}")
-    return DISTILL_TERMS[settings.distill_mode]
+    return DISTILL_TERMS[settings.distill_mode][0]
+
+
+def distill_term(mode: str, x: LossInputs) -> Tensor:
+    """The distillation term `mode` (a `DISTILL_TERMS` name) on one (micro-batch, window step); a scalar."""
+    reads, term = DISTILL_TERMS[mode]
+    missing = sorted(key for key in reads if getattr(x, key) is None)
+    assert not missing, f"{mode} needs {missing}"
+    return term(x)
 
 
 def kl_inputs(settings: LossSettings) -> frozenset[str]:
@@ -51,14 +70,13 @@ def kl_inputs(settings: LossSettings) -> frozenset[str]:
 
 
 def with_kl_penalty(loss: Tensor, metrics: dict[str, Tensor], x: LossInputs, settings: LossSettings) -> Tensor:
-    """``loss + kl_coef * KL + distill_coef * KL_teacher`` (the KL `actor.kl_loss_type` names, to the reference policy;
-    verl-omni's `use_distill_loss` term, the transition KL to the distillation teacher); records ``kl_loss`` and, with
-    the teacher, ``distill_kl_loss``."""
+    """``loss + kl_coef * KL + distill_coef * D_teacher`` (the KL `actor.kl_loss_type` names, to the reference policy;
+    verl-omni's `use_distill_loss` term, `DISTILL_TERMS[distill_mode]`, to the distillation teacher); records ``kl_loss``
+    and, with the teacher, ``<distill_mode>_loss``."""
     if settings.distill_coef > 0:
-        assert x.prev_sample_mean is not None and x.teacher_prev_sample_mean is not None and x.std_dev_t is not None
-        distill = kl_loss(x.prev_sample_mean, x.teacher_prev_sample_mean, x.std_dev_t)
+        distill = distill_term(settings.distill_mode, x)
         loss = loss + settings.distill_coef * distill
-        metrics["distill_kl_loss"] = distill.detach()
+        metrics[f"{settings.distill_mode}_loss"] = distill.detach()
     kl = loss.new_zeros(())
     if settings.kl_coef > 0:
         if settings.kl_type == "velocity":
