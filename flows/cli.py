@@ -76,7 +76,11 @@ def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
         return 0
     from omni_core.models.tiny import build_tiny_pipeline
 
-    path = build_tiny_pipeline(ns.dir, arch=ns.arch, seed=ns.seed)
+    try:
+        path = build_tiny_pipeline(ns.dir, arch=ns.arch, seed=ns.seed, max_image_size=ns.max_image_size)
+    except ValueError as err:
+        print(f"omniflow make-tiny-model: {err}", file=sys.stderr)
+        return 2
     print(f"tiny {ns.arch} pipeline written to {path}")
     return 0
 
@@ -349,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="output folder")
     tiny.add_argument("--arch", choices=[*ARCHITECTURES, "clip"], default="sd3")  # clip: a reward model
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--max-image-size", type=int, default=None, help="largest image side in px it must sample (sd3: 128 by default)"
+    )
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
     ds = sub.add_parser(

@@ -368,3 +368,39 @@ def test_local_paths_are_made_absolute_in_the_driver(tiny_sd3_dir, tmp_path, mon
     hub = load_config(overrides=["actor_rollout_ref.model.path=stabilityai/stable-diffusion-3.5-medium"])
     assert with_absolute_paths(hub).actor_rollout_ref.model.path == "stabilityai/stable-diffusion-3.5-medium"
     assert Path(with_absolute_paths(hub).trainer.default_local_dir).is_absolute()
+
+
+def _size_problems(model_dir, height: int, width: int) -> dict[str, str]:
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.rollout.pipeline.height={height}",
+        f"actor_rollout_ref.rollout.pipeline.width={width}",
+    ]
+    return {p.key.rsplit(".", 1)[1]: p.message for p in config_problems(load_config(overrides=overrides)) if ".pipeline." in p.key}
+
+
+def test_image_sides_are_checked_against_the_saved_models_vae_patch_and_position_table(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path):
+    """A side the model cannot sample is refused before anything loads (the rollout workers would fail on every sample):
+    SD3's largest side is pos_embed_max_size x patch_size x the VAE factor, each read here from the saved configs; the
+    packed architectures have no largest side. `make-tiny-model --max-image-size` widens the tiny SD3's table."""
+    from omni_core.models.tiny import build_tiny_pipeline
+
+    transformer = json.loads((tiny_sd3_dir / "transformer" / "config.json").read_text())
+    vae = json.loads((tiny_sd3_dir / "vae" / "config.json").read_text())
+    factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    step, largest = factor * transformer["patch_size"], transformer["pos_embed_max_size"] * transformer["patch_size"] * factor
+    assert (step, largest) == (4, 128)
+    assert _size_problems(tiny_sd3_dir, largest, largest) == {}
+    too_big = _size_problems(tiny_sd3_dir, 384, largest)
+    assert list(too_big) == ["height"] and f"at most {largest}" in too_big["height"]
+    off_grid = _size_problems(tiny_sd3_dir, 64, 34)
+    assert list(off_grid) == ["width"] and "multiple of 4" in off_grid["width"] and "try 32 or 36" in off_grid["width"]
+    # Qwen-Image: 2 x 2 packing of a VAE of factor 2 ** len(temperal_downsample); rotary positions, no largest side.
+    qwen_vae = json.loads((tiny_qwen_image_dir / "vae" / "config.json").read_text())
+    qwen_step = 2 * 2 ** len(qwen_vae["temperal_downsample"])
+    assert _size_problems(tiny_qwen_image_dir, 1024, 1024) == {}
+    assert "multiple of" in _size_problems(tiny_qwen_image_dir, 64 + qwen_step // 2, 64)["height"]
+    wide = build_tiny_pipeline(tmp_path / "wide-sd3", "sd3", seed=0, max_image_size=384)
+    assert _size_problems(wide, 384, 384) == {} and list(_size_problems(wide, 388, 384)) == ["height"]
+    with pytest.raises(ValueError, match="rotary positions"):
+        build_tiny_pipeline(tmp_path / "q", "qwen-image", max_image_size=512)

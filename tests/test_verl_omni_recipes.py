@@ -115,8 +115,13 @@ def _key(override: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def local_paths(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path_factory) -> dict[str, str]:
+def local_paths(tiny_qwen_image_dir, tmp_path_factory) -> dict[str, str]:
     from test_offline_dpo import write_pair_file
+
+    from omni_core.models.tiny import build_tiny_pipeline
+
+    # The SD3.5 recipes sample 384 px: a tiny SD3 whose position table covers that side (the default one's covers 128).
+    tiny_sd3_dir = build_tiny_pipeline(tmp_path_factory.mktemp("recipe_sd3"), "sd3", seed=0, max_image_size=512)
 
     reward = tmp_path_factory.mktemp("recipe_reward") / "genrm_ocr.py"
     reward.write_text("def compute_score_ocr(data_source, solution_image, ground_truth, extra_info):\n    return 0.0\n")

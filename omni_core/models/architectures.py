@@ -11,6 +11,10 @@ An entry says what OmniFlow needs to know of one diffusers text-to-image pipelin
   cfg_scale           which pipeline argument is classifier-free guidance (`guidance_scale` or `true_cfg_scale`)
   guidance_embedding  whether `guidance_scale` may feed a guidance embedding of the transformer (a guidance-distilled
                       one, `transformer/config.json` `guidance_embeds`); `none_reason` says why it cannot otherwise
+  size_rule           which image sizes the saved model can sample (`model_index.image_size_limits`): "patch_embed"
+                      (a learned position table: sides a multiple of VAE factor x `patch_size`, at most
+                      `pos_embed_max_size` patches) or "packed_2x2" (2 x 2 latent patches with rotary positions: sides a
+                      multiple of 2 x the VAE factor, no maximum)
 
 Light on purpose (no diffusers, no torch): config validation and the CLI read names and guidance rules without
 loading a model, so the heavy parts are named here and resolved on use (`pipeline_cls`, `adapter_cls`,
@@ -36,6 +40,7 @@ class Architecture:
     published: str
     cfg_scale: Literal["guidance_scale", "true_cfg_scale"]
     guidance_embedding: bool
+    size_rule: Literal["patch_embed", "packed_2x2"]
     none_reason: str = ""
 
     def pipeline_cls(self) -> type:
@@ -44,9 +49,9 @@ class Architecture:
     def adapter_cls(self) -> type:
         return getattr(importlib.import_module("omni_core.models.arch"), self.adapter)
 
-    def build_tiny(self, seed: int) -> Any:
+    def build_tiny(self, seed: int, **options: Any) -> Any:
         """The tiny random-weight pipeline (not saved; `tiny.build_tiny_pipeline` saves it)."""
-        return getattr(importlib.import_module("omni_core.models.tiny"), self.tiny_builder)(seed)
+        return getattr(importlib.import_module("omni_core.models.tiny"), self.tiny_builder)(seed, **options)
 
     def published_model(self) -> Any:
         return importlib.import_module("omni_core.models.published_configs").PUBLISHED[self.published]
@@ -63,6 +68,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             published="sd3.5-medium",
             cfg_scale="guidance_scale",  # StableDiffusion3Pipeline has no true_cfg_scale
             guidance_embedding=False,
+            size_rule="patch_embed",
         ),
         Architecture(
             name="flux",
@@ -72,6 +78,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             published="flux.1-dev",
             cfg_scale="true_cfg_scale",
             guidance_embedding=True,  # FLUX.1-dev has one; FLUX.1-schnell has none
+            size_rule="packed_2x2",
             none_reason="guidance_embeds=false, FLUX.1-schnell style",
         ),
         Architecture(
@@ -82,6 +89,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             published="qwen-image",
             cfg_scale="true_cfg_scale",  # rescaled to the conditional prediction's norm (QwenImageAdapter.combine_cfg)
             guidance_embedding=False,
+            size_rule="packed_2x2",
             none_reason="diffusers' QwenImageTransformer2DModel cannot run one",
         ),
     )

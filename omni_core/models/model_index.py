@@ -1,14 +1,15 @@
 """A saved diffusers pipeline's `model_index.json`, read without importing diffusers (~3 s on 2 cores): what
 cache keys and checks that only list a folder's components need (`prompt_embeddings.text_encoder_fingerprint`),
-and what config validation needs to know of the architecture before anything loads: the pipeline class and
-whether its transformer is guidance-distilled (`guidance_embeds`, which decides what `guidance_scale` means)."""
+and what config validation needs to know of the architecture before anything loads: the pipeline class, whether its
+transformer is guidance-distilled (`guidance_embeds`, which decides what `guidance_scale` means) and which image sizes
+it can sample (`image_size_limits`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from omni_core.models.architectures import find_architecture
+from omni_core.models.architectures import Architecture, find_architecture
 
 
 class ModelLoadError(ValueError):
@@ -49,3 +50,37 @@ def config_differences(mine: dict, theirs: dict) -> list[str]:
     """The keys (diffusers' private `_...` ones left out) whose values differ between two component configs, sorted:
     e.g. a distillation teacher's scheduler against the student's."""
     return sorted(k for k in set(mine) | set(theirs) if not k.startswith("_") and mine.get(k) != theirs.get(k))
+
+
+def _component_config(path: Path, component: str) -> dict | None:
+    try:
+        return json.loads((path / component / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def vae_scale_factor(vae_config: dict) -> int | None:
+    """Pixels per latent cell, as the diffusers pipelines compute it: 2 ** len(temperal_downsample) for Qwen-Image's
+    video VAE, 2 ** (len(block_out_channels) - 1) for an AutoencoderKL; None when the config says neither."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"])
+    if vae_config.get("block_out_channels"):
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    return None
+
+
+def image_size_limits(path: Path, entry: Architecture) -> tuple[int, int | None, str] | None:
+    """The image sides the saved pipeline at `path` can sample, by its architecture's `size_rule`: (the multiple every
+    side must be, the largest side or None, how both follow from the configs); None when its configs are unreadable."""
+    vae, transformer = _component_config(path, "vae"), _component_config(path, "transformer")
+    factor = vae_scale_factor(vae) if vae is not None else None
+    if factor is None or transformer is None:
+        return None
+    if entry.size_rule == "packed_2x2":
+        return factor * 2, None, f"VAE scale factor {factor} x the 2 x 2 latent packing"
+    patch = int(transformer.get("patch_size", 1))
+    table = transformer.get("pos_embed_max_size")
+    why = f"VAE scale factor {factor} x patch_size {patch}"
+    if table is None:
+        return factor * patch, None, why
+    return factor * patch, int(table) * patch * factor, f"{why}; pos_embed_max_size {table} patches"

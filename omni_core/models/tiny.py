@@ -190,6 +190,9 @@ def _t5_encoder(vocab_size: int) -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
+VAE_SCALE_FACTOR = 2  # the tiny AutoencoderKL's two blocks
+
+
 def _vae(shift_factor: float, scaling_factor: float) -> AutoencoderKL:
     return AutoencoderKL(
         in_channels=3,
@@ -244,8 +247,10 @@ def _seeded(seed: int, k: int) -> None:
     torch.manual_seed(seed + k)
 
 
-def tiny_sd3(seed: int) -> StableDiffusion3Pipeline:
-    """The tiny SD3 pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``)."""
+def tiny_sd3(seed: int, max_image_size: int | None = None) -> StableDiffusion3Pipeline:
+    """The tiny SD3 pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``). Its position
+    table covers 32 patches a side (128 px); ``max_image_size`` (px) makes it cover that side instead (a recipe's
+    resolution: the table is a buffer, the trained weights are the same)."""
     clip_tok = build_clip_tokenizer()
     t5_tok = build_t5_tokenizer()
     _seeded(seed, 0)
@@ -266,7 +271,7 @@ def tiny_sd3(seed: int) -> StableDiffusion3Pipeline:
         caption_projection_dim=128,
         pooled_projection_dim=2 * CLIP_HIDDEN,
         out_channels=LATENT_CHANNELS,
-        pos_embed_max_size=32,
+        pos_embed_max_size=32 if max_image_size is None else max(32, -(-max_image_size // (2 * VAE_SCALE_FACTOR))),
     )
     _seeded(seed, 4)
     vae = _vae(shift_factor=0.0609, scaling_factor=1.5035)  # SD3's VAE constants
@@ -361,8 +366,10 @@ def tiny_qwen_image(seed: int) -> QwenImagePipeline:
     )
 
 
-def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0) -> Path:
+def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0, max_image_size: int | None = None) -> Path:
     """Build a tiny random-weight pipeline of ``arch`` (a name of ``ARCHITECTURES``) and save it to ``out_dir``.
+    ``max_image_size``: the largest image side (px) it must sample, for an architecture with a position table (SD3's
+    128 px by default; FLUX and Qwen-Image have rotary positions and no maximum).
 
     Returns the directory, which ``load_pipeline`` (or ``<Pipeline>.from_pretrained``) reads back.
     Dimensions are listed in the module docstring. The global torch RNG is reseeded while building
@@ -370,10 +377,15 @@ def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0) -
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not a tiny architecture; choose one of {list(ARCHITECTURES)}")
+    options = {}
+    if max_image_size is not None:
+        if ARCHITECTURES[arch].size_rule != "patch_embed":
+            raise ValueError(f"max_image_size: the tiny {arch} has rotary positions and samples any size; leave it unset")
+        options["max_image_size"] = max_image_size
     out = Path(out_dir)
     rng_state = torch.random.get_rng_state()
     try:
-        pipe = ARCHITECTURES[arch].build_tiny(seed)
+        pipe = ARCHITECTURES[arch].build_tiny(seed, **options)
     finally:
         torch.random.set_rng_state(rng_state)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ The rules live in one module per group, found by name:
   batch_sizes     data.train_batch_size, mini / micro / generation batches, samples per prompt
   rollout         the SDE window inside the denoising steps, rollout log-probs for bypass mode
   guidance        guidance_scale / true_cfg_scale as the model's architecture defines them
+  image_size      rollout.pipeline.height / width against the model's VAE, patch and position table
   algorithm       advantage estimator, loss mode, LoRA keys
   direct_preference  DiffusionNFT's keys and what it cannot be combined with; pairs (DPO)
   offline_samples offline Diffusion-DPO's pairs data set (sample_source=offline) and data.custom_cls
@@ -43,6 +44,7 @@ from omni_core.validation.devices import device_problems
 from omni_core.validation.direct_preference import direct_preference_problems
 from omni_core.validation.distillation import distillation_problems
 from omni_core.validation.guidance import guidance_problems
+from omni_core.validation.image_size import image_size_problems
 from omni_core.validation.offline_samples import offline_sample_problems
 from omni_core.validation.paths import path_problems
 from omni_core.validation.precision import precision_problems
@@ -74,6 +76,7 @@ def config_problems(
         *batch_size_problems(config),
         *rollout_problems(config),
         *guidance_problems(config),
+        *image_size_problems(config),
         *algorithm_problems(config),
         *direct_preference_problems(config),
         *offline_sample_problems(config),
