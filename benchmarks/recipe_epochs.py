@@ -4,8 +4,9 @@ For each recipe (`tests/data/verl_omni_recipes/<name>.txt`: the key=value argume
 `examples/`), this script changes only what a user porting the recipe changes:
 
 - the paths: `actor_rollout_ref.model.path` (and the distillation teacher's) at a tiny random-weight model of the
-  recipe's architecture built here (`omniflow make-tiny-model`, an SD3 one with `--max-image-size` of the recipe's
-  side; the teacher is the same architecture of another seed);
+  recipe's architecture built here (`omniflow make-tiny-model --vae-scale-factor 8`: the real models' latent grid, so
+  an image is as many tokens as on the real model; an SD3 one with `--max-image-size` of the recipe's side; the
+  teacher is the same architecture of another seed);
   `data.train_files` / `data.val_files` at a prompt file of exactly `data.train_batch_size` prompts, so one epoch is
   one step (an offline DPO recipe: a pair file of that many pairs, `omniflow make-dataset --pairs`);
   `reward.custom_reward_function.path` at a local file that defines the recipe's function name (mean brightness: the
@@ -77,10 +78,11 @@ def architecture(overrides: list[str]) -> str:
 
 
 def tiny_model(arch: str, seed: int, folder: Path, side: int) -> Path:
-    """The tiny model of `arch`; an SD3 one with a position table that covers the recipe's image side."""
+    """The tiny model of `arch` with the real models' VAE factor 8 (an image is as many tokens as on the real model);
+    an SD3 one with a position table that covers the recipe's image side."""
     if not (folder / "model_index.json").exists():
         cmd = [sys.executable, "-m", "omniflow.flows.cli", "make-tiny-model", str(folder), "--arch", arch, "--seed", str(seed)]
-        cmd += ["--max-image-size", str(side)] if arch == "sd3" else []
+        cmd += ["--vae-scale-factor", "8"] + (["--max-image-size", str(side)] if arch == "sd3" else [])
         subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return folder
 

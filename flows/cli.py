@@ -77,7 +77,7 @@ def _cmd_make_tiny_model(ns: argparse.Namespace) -> int:
     from omni_core.models.tiny import build_tiny_pipeline
 
     try:
-        path = build_tiny_pipeline(ns.dir, arch=ns.arch, seed=ns.seed, max_image_size=ns.max_image_size)
+        path = build_tiny_pipeline(ns.dir, arch=ns.arch, seed=ns.seed, max_image_size=ns.max_image_size, vae_scale_factor=ns.vae_scale_factor)
     except ValueError as err:
         print(f"omniflow make-tiny-model: {err}", file=sys.stderr)
         return 2
@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
         "--max-image-size", type=int, default=None, help="largest image side in px it must sample (sd3: 128 by default)"
+    )
+    tiny.add_argument(
+        "--vae-scale-factor", type=int, choices=(2, 4, 8), default=2, help="8: the real models' latent grid (recipe sizes)"
     )
     tiny.set_defaults(func=_cmd_make_tiny_model)
 

@@ -382,7 +382,8 @@ def _size_problems(model_dir, height: int, width: int) -> dict[str, str]:
 def test_image_sides_are_checked_against_the_saved_models_vae_patch_and_position_table(tiny_sd3_dir, tiny_qwen_image_dir, tmp_path):
     """A side the model cannot sample is refused before anything loads (the rollout workers would fail on every sample):
     SD3's largest side is pos_embed_max_size x patch_size x the VAE factor, each read here from the saved configs; the
-    packed architectures have no largest side. `make-tiny-model --max-image-size` widens the tiny SD3's table."""
+    packed architectures have no largest side. `make-tiny-model --max-image-size` widens the tiny SD3's table and
+    `--vae-scale-factor 8` gives the real models' latent grid."""
     from omni_core.models.tiny import build_tiny_pipeline
 
     transformer = json.loads((tiny_sd3_dir / "transformer" / "config.json").read_text())
@@ -402,5 +403,8 @@ def test_image_sides_are_checked_against_the_saved_models_vae_patch_and_position
     assert "multiple of" in _size_problems(tiny_qwen_image_dir, 64 + qwen_step // 2, 64)["height"]
     wide = build_tiny_pipeline(tmp_path / "wide-sd3", "sd3", seed=0, max_image_size=384)
     assert _size_problems(wide, 384, 384) == {} and list(_size_problems(wide, 388, 384)) == ["height"]
+    # The real models' VAE factor 8: 16 px steps, 32 patches x 2 x 8 = 512 px.
+    real_grid = build_tiny_pipeline(tmp_path / "real-grid-sd3", "sd3", seed=0, vae_scale_factor=8)
+    assert _size_problems(real_grid, 512, 384) == {} and "multiple of 16" in _size_problems(real_grid, 520, 384)["height"]
     with pytest.raises(ValueError, match="rotary positions"):
         build_tiny_pipeline(tmp_path / "q", "qwen-image", max_image_size=512)

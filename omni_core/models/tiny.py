@@ -190,16 +190,23 @@ def _t5_encoder(vocab_size: int) -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
-VAE_SCALE_FACTOR = 2  # the tiny AutoencoderKL's two blocks
+VAE_SCALE_FACTORS = (2, 4, 8)  # the tiny VAEs' (2: the default; 8: the real models', for a recipe's resolution)
 
 
-def _vae(shift_factor: float, scaling_factor: float) -> AutoencoderKL:
+def _downsamplings(vae_scale_factor: int) -> int:
+    if vae_scale_factor not in VAE_SCALE_FACTORS:
+        raise ValueError(f"vae_scale_factor={vae_scale_factor}: choose one of {list(VAE_SCALE_FACTORS)}")
+    return vae_scale_factor.bit_length() - 1
+
+
+def _vae(shift_factor: float, scaling_factor: float, vae_scale_factor: int = 2) -> AutoencoderKL:
+    blocks = _downsamplings(vae_scale_factor) + 1
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),  # 2 blocks -> vae_scale_factor 2
+        down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks,
+        block_out_channels=(8, *[16] * (blocks - 1)),  # n blocks -> vae_scale_factor 2 ** (n - 1)
         layers_per_block=1,
         latent_channels=LATENT_CHANNELS,
         norm_num_groups=4,
@@ -247,10 +254,10 @@ def _seeded(seed: int, k: int) -> None:
     torch.manual_seed(seed + k)
 
 
-def tiny_sd3(seed: int, max_image_size: int | None = None) -> StableDiffusion3Pipeline:
+def tiny_sd3(seed: int, max_image_size: int | None = None, vae_scale_factor: int = 2) -> StableDiffusion3Pipeline:
     """The tiny SD3 pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``). Its position
-    table covers 32 patches a side (128 px); ``max_image_size`` (px) makes it cover that side instead (a recipe's
-    resolution: the table is a buffer, the trained weights are the same)."""
+    table covers 32 patches a side (128 px with the default VAE); ``max_image_size`` (px) makes it cover that side
+    instead (a recipe's resolution: the table is a buffer, the trained weights are the same)."""
     clip_tok = build_clip_tokenizer()
     t5_tok = build_t5_tokenizer()
     _seeded(seed, 0)
@@ -271,10 +278,10 @@ def tiny_sd3(seed: int, max_image_size: int | None = None) -> StableDiffusion3Pi
         caption_projection_dim=128,
         pooled_projection_dim=2 * CLIP_HIDDEN,
         out_channels=LATENT_CHANNELS,
-        pos_embed_max_size=32 if max_image_size is None else max(32, -(-max_image_size // (2 * VAE_SCALE_FACTOR))),
+        pos_embed_max_size=32 if max_image_size is None else max(32, -(-max_image_size // (2 * vae_scale_factor))),
     )
     _seeded(seed, 4)
-    vae = _vae(shift_factor=0.0609, scaling_factor=1.5035)  # SD3's VAE constants
+    vae = _vae(shift_factor=0.0609, scaling_factor=1.5035, vae_scale_factor=vae_scale_factor)  # SD3's VAE constants
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -288,7 +295,7 @@ def tiny_sd3(seed: int, max_image_size: int | None = None) -> StableDiffusion3Pi
     )
 
 
-def tiny_flux(seed: int) -> FluxPipeline:
+def tiny_flux(seed: int, vae_scale_factor: int = 2) -> FluxPipeline:
     """The tiny FLUX pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``)."""
     clip_tok = build_clip_tokenizer()
     t5_tok = build_t5_tokenizer()
@@ -310,7 +317,7 @@ def tiny_flux(seed: int) -> FluxPipeline:
         axes_dims_rope=(8, 12, 12),  # must sum to attention_head_dim
     )
     _seeded(seed, 3)
-    vae = _vae(shift_factor=0.1159, scaling_factor=0.3611)  # FLUX's VAE constants
+    vae = _vae(shift_factor=0.1159, scaling_factor=0.3611, vae_scale_factor=vae_scale_factor)  # FLUX's VAE constants
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0,
         use_dynamic_shifting=True,
@@ -330,7 +337,7 @@ def tiny_flux(seed: int) -> FluxPipeline:
     )
 
 
-def tiny_qwen_image(seed: int) -> QwenImagePipeline:
+def tiny_qwen_image(seed: int, vae_scale_factor: int = 2) -> QwenImagePipeline:
     """The tiny Qwen-Image pipeline of the module docstring, in memory (``ARCHITECTURES``' ``tiny_builder``)."""
     tokenizer = build_qwen2_tokenizer()
     _seeded(seed, 0)
@@ -347,9 +354,10 @@ def tiny_qwen_image(seed: int) -> QwenImagePipeline:
         axes_dims_rope=(8, 12, 12),  # frame, height, width: sums to attention_head_dim
     )
     _seeded(seed, 2)
+    downs = _downsamplings(vae_scale_factor)
     vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]
-    )  # len(temperal_downsample) = 1 -> vae_scale_factor 2; latents_mean / latents_std: Qwen-Image's
+        base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, *[2] * downs], num_res_blocks=1, temperal_downsample=[False] * downs
+    )  # vae_scale_factor 2 ** len(temperal_downsample); latents_mean / latents_std: Qwen-Image's
     scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image scheduler_config.json
         num_train_timesteps=1000,
         shift=1.0,
@@ -366,10 +374,14 @@ def tiny_qwen_image(seed: int) -> QwenImagePipeline:
     )
 
 
-def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0, max_image_size: int | None = None) -> Path:
+def build_tiny_pipeline(
+    out_dir: str | Path, arch: str = "sd3", seed: int = 0, max_image_size: int | None = None, vae_scale_factor: int = 2
+) -> Path:
     """Build a tiny random-weight pipeline of ``arch`` (a name of ``ARCHITECTURES``) and save it to ``out_dir``.
     ``max_image_size``: the largest image side (px) it must sample, for an architecture with a position table (SD3's
-    128 px by default; FLUX and Qwen-Image have rotary positions and no maximum).
+    128 px by default; FLUX and Qwen-Image have rotary positions and no maximum). ``vae_scale_factor``: 2 (the
+    default: small images stay cheap to test) or 8, the real models' (an image has the real model's token count, as a
+    recipe's resolution needs).
 
     Returns the directory, which ``load_pipeline`` (or ``<Pipeline>.from_pretrained``) reads back.
     Dimensions are listed in the module docstring. The global torch RNG is reseeded while building
@@ -377,7 +389,7 @@ def build_tiny_pipeline(out_dir: str | Path, arch: str = "sd3", seed: int = 0, m
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not a tiny architecture; choose one of {list(ARCHITECTURES)}")
-    options = {}
+    options: dict[str, int] = {"vae_scale_factor": vae_scale_factor} if vae_scale_factor != 2 else {}
     if max_image_size is not None:
         if ARCHITECTURES[arch].size_rule != "patch_embed":
             raise ValueError(f"max_image_size: the tiny {arch} has rotary positions and samples any size; leave it unset")
