@@ -134,6 +134,15 @@ def test_the_teacher_switch_goes_with_a_loss_that_reads_it(tiny_sd3_dir, teacher
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "shift": 7.0}))
     grid = _problems([model, "distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={other}", *pure])
     assert "shift" in grid["distillation.teacher_models.teacher_model.model_path"]
+    # A teacher of another architecture (its model_index.json says FLUX) cannot replay the SD3 student's transitions.
+    flux = tmp_path / "flux-teacher"
+    shutil.copytree(teacher_dir, flux)
+    index = json.loads((flux / "model_index.json").read_text())
+    (flux / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
+    arch = _problems([model, "distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={flux}", *pure])
+    assert "FluxPipeline" in arch["distillation.teacher_models.teacher_model.model_path"] and "architecture" in arch[
+        "distillation.teacher_models.teacher_model.model_path"
+    ]
 
 
 # ----------------------------------------------------------------------------- the gap to the teacher

@@ -123,6 +123,19 @@ def test_a_cached_hub_id_validates(offline_cache):
     assert not [str(p) for p in config_problems(config, CPU_ONLY) if p.key.startswith("actor_rollout_ref.model")]
 
 
+def test_a_cached_video_pipeline_is_refused_by_its_class_before_anything_loads(offline_cache, tmp_path):
+    """A Hub id whose cached snapshot holds a pipeline OmniFlow does not train (here Wan 2.x's `WanPipeline`) is refused
+    by `validate`, from the snapshot's model_index.json, naming the class, why and the supported classes."""
+    wan = tmp_path / "wan"
+    wan.mkdir()
+    (wan / "model_index.json").write_text('{"_class_name": "WanPipeline", "_diffusers_version": "0.35.0"}')
+    put_in_cache(offline_cache, "tiny-org/tiny-wan", MAIN, wan, refs=("main",))
+    config = load_config(overrides=["actor_rollout_ref.model.path=tiny-org/tiny-wan"])
+    (problem,) = [p for p in config_problems(config, CPU_ONLY) if p.key == "actor_rollout_ref.model.path"]
+    assert "WanPipeline" in problem.message and "video" in problem.message
+    assert "StableDiffusion3Pipeline" in problem.message
+
+
 @pytest.mark.parametrize(
     ("overrides", "command"),
     [

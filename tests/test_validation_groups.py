@@ -408,3 +408,25 @@ def test_image_sides_are_checked_against_the_saved_models_vae_patch_and_position
     assert _size_problems(real_grid, 512, 384) == {} and "multiple of 16" in _size_problems(real_grid, 520, 384)["height"]
     with pytest.raises(ValueError, match="rotary positions"):
         build_tiny_pipeline(tmp_path / "q", "qwen-image", max_image_size=512)
+
+
+@pytest.mark.parametrize(
+    ("class_name", "why"),
+    [
+        ("QwenImageEditPlusPipeline", "image editing"),
+        ("FluxKontextPipeline", "image editing"),
+        ("WanPipeline", "video"),
+        ("BagelPipeline", "not a pipeline OmniFlow trains"),
+        (None, "names no pipeline class"),
+    ],
+)
+def test_a_model_folder_of_a_pipeline_omniflow_does_not_train_is_refused_by_validate(tmp_path, class_name, why):
+    """Issue: `validate` said "config OK" for a Wan or Qwen-Image-Edit folder and the run failed at load. The folder's
+    model_index.json names the class; the refusal names it, why, and the classes OmniFlow trains."""
+    index = {"_diffusers_version": "0.35.0"} | ({"_class_name": class_name} if class_name else {})
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    problems = [p for p in config_problems(load_config(overrides=[f"actor_rollout_ref.model.path={tmp_path}"])) if p.key == "actor_rollout_ref.model.path"]
+    assert len(problems) == 1
+    assert why in problems[0].message and "QwenImagePipeline, StableDiffusion3Pipeline" in problems[0].message
+    if class_name:
+        assert class_name in problems[0].message

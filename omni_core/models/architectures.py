@@ -98,10 +98,36 @@ ARCHITECTURES: dict[str, Architecture] = {
 # The pipeline class name in model_index.json -> its entry.
 BY_PIPELINE: dict[str, Architecture] = {a.pipeline: a for a in ARCHITECTURES.values()}
 
+# Pipelines that verl-omni or flow_grpo recipes train and OmniFlow does not (yet): why, for the refusal before anything
+# loads. Any other class is refused with the list of supported ones.
+_EDITING = "image editing (input images next to the noisy latents) is not supported yet"
+_VIDEO = "video (5-D latents with frames, a video VAE) is not supported yet"
+NOT_SUPPORTED: dict[str, str] = {
+    "QwenImageEditPipeline": _EDITING,
+    "QwenImageEditPlusPipeline": _EDITING,
+    "FluxKontextPipeline": _EDITING,
+    "WanPipeline": _VIDEO,
+    "WanImageToVideoPipeline": _VIDEO,
+    "LTXPipeline": _VIDEO,
+    "LTX2Pipeline": "LTX-2's audio-video generation is not supported",
+}
+
 
 def find_architecture(name: str) -> Architecture | None:
     """The entry of a short name (any case) or a pipeline class name; None when neither is supported."""
     return ARCHITECTURES.get(name.lower()) or BY_PIPELINE.get(name)
+
+
+def unsupported_pipeline_reason(class_name: str | None) -> str | None:
+    """Why a saved pipeline class cannot be trained (None: it can): a class of `NOT_SUPPORTED` with its reason, any
+    other unknown one (BAGEL or MiniMax-H3 save no diffusers pipeline at all) with the supported classes."""
+    if class_name in BY_PIPELINE:
+        return None
+    supported = ", ".join(sorted(BY_PIPELINE))
+    if class_name is None:
+        return f"its model_index.json names no pipeline class (_class_name); OmniFlow trains {supported}"
+    why = NOT_SUPPORTED.get(class_name, "not a pipeline OmniFlow trains")
+    return f"it holds a {class_name} ({why}); OmniFlow trains {supported}"
 
 
 def architecture_choices() -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.algorithm_names import DISTILL_LOSSES
+from omni_core.models.architectures import unsupported_pipeline_reason
 from omni_core.models.hub import hub_problem, is_hub_id
 from omni_core.models.model_index import config_differences
 
@@ -77,6 +78,14 @@ def _teacher_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         why = f"no diffusers pipeline at {folder} (model_index.json missing); point it at the teacher's pipeline folder (LoRA merged) or a Hub id"
         return [ConfigProblem(TEACHER, why, teacher.model_path)]
     student = Path(config.actor_rollout_ref.model.path).expanduser()
+    theirs_class = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    unsupported = unsupported_pipeline_reason(theirs_class)
+    if unsupported:
+        return [ConfigProblem(TEACHER, f"{folder}: {unsupported}", teacher.model_path)]
+    mine_class = _class_name(student)
+    if mine_class is not None and mine_class != theirs_class:
+        why = f"it holds a {theirs_class} and the student a {mine_class}: the teacher replays the student's transitions, so it must be the student's architecture"
+        return [ConfigProblem(TEACHER, why, teacher.model_path)]
     if not is_hub_id(config.actor_rollout_ref.model.path):  # both local: the noise grids must be one (checked again at load)
         mine, theirs = _scheduler_config(student), _scheduler_config(folder)
         if mine is not None and theirs is not None:
@@ -91,6 +100,13 @@ def _teacher_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                     )
                 ]
     return []
+
+
+def _class_name(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _scheduler_config(folder: Path) -> dict | None:

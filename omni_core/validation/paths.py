@@ -4,6 +4,7 @@ to find missing after Ray started)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from omni_core.checkpoint.layout import parse_step
 from omni_core.config import ConfigError, ConfigProblem, OmniFlowConfig
 from omni_core.config.schema import ModelConfig
 from omni_core.data_files import DataFileError, as_file_list, resolve_data_path
-from omni_core.models.hub import TRANSFORMERS_SKIP, hub_problem, is_hub_id
+from omni_core.models.architectures import unsupported_pipeline_reason
+from omni_core.models.hub import TRANSFORMERS_SKIP, hub_problem, is_hub_id, resolve_model_path
+from omni_core.models.model_index import ModelLoadError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -65,9 +68,20 @@ def model_path_problems(model: ModelConfig) -> list[ConfigProblem]:
             reason += f"; it is also the default local folder of the tiny test model: `omniflow make-tiny-model {model.path}`"
         if reason:
             p.append(ConfigProblem(key, reason, model.path))
+        else:  # in the cache (or downloadable): a cached snapshot's class is checked now
+            try:
+                cached = resolve_model_path(model.path, model.revision, download=False)
+            except ModelLoadError:
+                cached = None
+            unsupported = _unsupported_pipeline(cached, model.architecture) if cached is not None else None
+            if unsupported:
+                p.append(ConfigProblem(key, f"{model.path}: {unsupported}", model.path))
     else:
         model_dir = Path(model.path).expanduser()
-        if not (model_dir / "model_index.json").is_file():
+        unsupported = _unsupported_pipeline(model_dir, model.architecture)
+        if unsupported:
+            p.append(ConfigProblem(key, f"{model_dir}: {unsupported}", model.path))
+        elif not (model_dir / "model_index.json").is_file():
             p.append(
                 ConfigProblem(
                     key,
@@ -92,6 +106,19 @@ def model_path_problems(model: ModelConfig) -> list[ConfigProblem]:
         if reason:
             p.append(ConfigProblem(f"actor_rollout_ref.model.{name}", reason, value))
     return p
+
+
+def _unsupported_pipeline(model_dir: Path, architecture: str | None) -> str | None:
+    """Why the pipeline saved in `model_dir` cannot be trained (an editing or video pipeline, a folder of another kind),
+    read from its model_index.json; None when it can, or when there is no readable model_index.json (the caller's
+    problem) or `model.architecture` names the class."""
+    if architecture and architecture.lower() != "auto":
+        return None  # the loader checks the two agree
+    try:
+        index = json.loads((model_dir / "model_index.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return unsupported_pipeline_reason(index.get("_class_name"))
 
 
 def _where(config: OmniFlowConfig) -> str:
