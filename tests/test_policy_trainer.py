@@ -346,3 +346,46 @@ def test_a_diffusion_nft_trainer_resumed_from_its_state_trains_the_next_step_bit
     for name in ("model", "old_policy"):
         a, b = whole.state_dict()[name], resumed.state_dict()[name]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.parametrize("cfg", [[], ["actor_rollout_ref.rollout.pipeline.guidance_scale=4.0"]], ids=["no_cfg", "cfg"])
+def test_window_steps_in_one_forward_give_the_per_step_numbers_and_a_first_ratio_of_exactly_one(tiny_sd3_dir, one_torch_thread, cfg):
+    """`actor.window_steps_per_forward=2` (a window of 3: steps [0, 1] in one forward, then [2]): the stacked forward's
+    log-probs, means and velocities equal one forward per step to fp32 rounding; the old-log-prob pass stacks the
+    same steps, so the first ratio is exactly 1; one update moves the weights as the per-step update does, to
+    rounding (the losses of a chunk are summed before one backward)."""
+    from omni_core.rollout.sampler import score_transitions, score_window_steps
+
+    window = ["actor_rollout_ref.rollout.algo.sde_window_size=3", *cfg]
+    per_step = _trainer(tiny_sd3_dir, *window)
+    stacked = _trainer(tiny_sd3_dir, *window, "actor_rollout_ref.actor.window_steps_per_forward=2")
+    assert stacked.window_chunks(3) == [[0, 1], [2]]
+    traj = _rollout(per_step, 1)
+    assert traj.window_size == 3
+    kwargs = {"guidance_scale": per_step.config.actor_rollout_ref.rollout.pipeline.guidance_scale, "noise_level": 0.7}
+    with torch.no_grad():
+        together = score_window_steps(per_step.policy, traj, [0, 1, 2], **kwargs)
+        for j, scored in enumerate(together):
+            alone = score_transitions(per_step.policy, traj, j, **kwargs)
+            for got, want in zip(scored, alone, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    advantages = torch.tensor([1.0, -1.0] * 4)
+    torch.testing.assert_close(stacked.old_log_probs(traj), per_step.old_log_probs(traj), rtol=1e-5, atol=1e-5)
+    # Plain SGD with lr 1 on both, so each weight moves by its (clipped) gradient: the update compares element by
+    # element. (Adam's first step is lr x sign(g), which rounding flips wherever a gradient is near zero.)
+    before = {}
+    for name, t in (("stacked", stacked), ("per_step", per_step)):
+        params = [q for q in t.policy.transformer.parameters() if q.requires_grad]
+        t.optimizer = torch.optim.SGD(params, lr=1.0)
+        before[name] = [q.detach().clone() for q in params]
+    m_stacked = stacked.train_on(traj, advantages, 1)
+    m_per_step = per_step.train_on(traj, advantages, 1)
+    assert m_stacked["actor/ratio_mean"] == 1.0 and m_stacked["actor/ratio_std"] == 0.0
+    assert m_stacked["actor/pg_loss"] == pytest.approx(m_per_step["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    after = {name: [q.detach() for q in t.policy.transformer.parameters() if q.requires_grad] for name, t in (("stacked", stacked), ("per_step", per_step))}
+    moved_stacked = [a - b for a, b in zip(after["stacked"], before["stacked"], strict=True)]
+    moved_per_step = [a - b for a, b in zip(after["per_step"], before["per_step"], strict=True)]
+    scale = max(float(d.abs().max()) for d in moved_per_step)
+    assert scale > 0  # the update moved the weights, so the comparison below means something
+    for got, want in zip(moved_stacked, moved_per_step, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)

@@ -133,6 +133,7 @@ class PPOUpdateConfig:
     kl_type: str = "transition_mean"
     distill_coef: float = 0.0  # actor.distill_loss_coef with actor.use_distill_loss: the distillation term's weight
     distill_mode: str = "distill_kl"  # actor.distill_loss_mode
+    steps_per_forward: int = 1  # actor.window_steps_per_forward: window steps per forward and backward (steps_fn)
     dp_rank: int = 0  # this process's data-parallel rank, of dp_size (trainer.n_gpus_per_node x trainer.nnodes)
     dp_size: int = 1
     loss_options: Mapping[str, Any] = field(default_factory=dict)
@@ -156,6 +157,14 @@ class PPOUpdateConfig:
 
 
 StepFn = Callable[[dict[str, Any], int], StepOutput]
+# Several window steps of a micro-batch in one forward: one StepOutput per step, in order (`steps_per_forward` > 1).
+StepsFn = Callable[[dict[str, Any], list[int]], list[StepOutput]]
+
+
+def window_chunks(window: int, steps_per_forward: int) -> list[list[int]]:
+    """The window steps ``0..window-1`` in consecutive chunks of ``steps_per_forward`` (the last may be shorter): what
+    one forward computes, in the update and in the no-grad passes that must match it (the first ratio exactly 1)."""
+    return [list(range(i, min(i + steps_per_forward, window))) for i in range(0, window, steps_per_forward)]
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -308,6 +317,7 @@ def ppo_update(
     cfg: PPOUpdateConfig,
     scaler: torch.amp.GradScaler | None = None,
     no_grad_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    steps_fn: StepsFn | None = None,
 ) -> dict[str, float]:
     """Run one training step of Flow-GRPO updates on a batch of trajectories.
 
@@ -326,6 +336,8 @@ def ppo_update(
         no_grad_sync: with data-parallel ranks (`cfg.dp_size > 1`), a context in which a backward does not
             average gradients over the ranks (DDP's `no_sync`): every backward of a mini-batch but its last runs
             in it, so the ranks average once per optimizer step.
+        steps_fn: ``steps_fn(micro_batch, [j, ...]) -> [StepOutput, ...]``, several window steps in one forward, for
+            ``cfg.steps_per_forward`` > 1 (``window_chunks``): their losses are summed before one backward.
 
     Returns:
         Means over all (micro-batch, step) calls of the loss's metrics, for flow_grpo ``actor/pg_loss``, ``actor/pg_clipfrac``,
@@ -345,6 +357,9 @@ def ppo_update(
     batch_size = next(v for v in batch.values() if isinstance(v, Tensor)).shape[0]
     window = batch["old_log_probs"].shape[1] if "old_log_probs" in batch else int(batch["window"])
     shares = local_schedule(batch_size, cfg)
+    chunks = window_chunks(window, cfg.steps_per_forward)
+    if any(len(c) > 1 for c in chunks) and steps_fn is None:
+        raise ValueError(f"steps_per_forward={cfg.steps_per_forward} needs steps_fn (several window steps in one forward)")
     params = [p for p in model.parameters() if p.requires_grad]
     lr = float(optimizer.param_groups[0]["lr"])
     if cfg.dp_size > 1 and no_grad_sync is None:
@@ -368,32 +383,36 @@ def ppo_update(
             # (the last micro-batch may be smaller: algorithm.filter_zero_std_groups shrinks the mini-batches); the
             # ranks' average is the mean over the whole mini-batch. Equal micro-batches: 1 / (n_micro * W) exactly.
             scale = len(micro_idx) / (len(share) * window)
-            for j in range(window):
-                last = m == len(micro_batches) - 1 and j == window - 1
+            for steps in chunks:
+                last = m == len(micro_batches) - 1 and steps[-1] == window - 1
                 sync = contextlib.nullcontext() if last or no_grad_sync is None else no_grad_sync()
                 with sync:
-                    out = step_fn(micro, j)
-                    inputs = _loss_inputs(cfg.loss_mode, needs, out, micro, micro_idx, j, group)
-                    if cfg.bypass_correction is not None and "rollout_weight" in needs:
-                        assert out.log_prob is not None
-                        rollout_j = micro["old_log_probs"][:, j].to(out.log_prob.device)  # bypass: old == rollout
-                        weight, corr = cfg.bypass_correction.bypass(out.log_prob.detach().float(), rollout_j.float())
-                        inputs.rollout_weight = weight
-                        for key, value in corr.items():
-                            corr_sums[key] = corr_sums.get(key, 0.0) + value
-                    loss, metrics = loss_fn(inputs, settings)
-                    scaled = loss * scale
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                    # Kept as tensors: a float() per step would sync the device every step.
-                    for key, value in metrics.items():
-                        sums[key] = sums[key] + value if key in sums else value
-                    n_terms += 1
-                    if levels is not None:
-                        assert out.log_prob is not None
-                        old_j = micro["old_log_probs"][:, j].to(out.log_prob.device)
-                        ratio = torch.exp(out.log_prob.detach().float() - old_j.float())
-                        level = torch.searchsorted(levels, micro["staleness"]).to(ratio.device, non_blocking=True)
-                        _add_ratio_stats(ratio_stats, ratio_by_level(ratio, level, len(levels), cfg.clip_ratio))
+                    # One forward for the chunk's window steps (`steps_per_forward`), their losses summed, one backward.
+                    outs = [step_fn(micro, steps[0])] if len(steps) == 1 else steps_fn(micro, steps)  # type: ignore[misc]
+                    total: Tensor | None = None
+                    for j, out in zip(steps, outs, strict=True):
+                        inputs = _loss_inputs(cfg.loss_mode, needs, out, micro, micro_idx, j, group)
+                        if cfg.bypass_correction is not None and "rollout_weight" in needs:
+                            assert out.log_prob is not None
+                            rollout_j = micro["old_log_probs"][:, j].to(out.log_prob.device)  # bypass: old == rollout
+                            weight, corr = cfg.bypass_correction.bypass(out.log_prob.detach().float(), rollout_j.float())
+                            inputs.rollout_weight = weight
+                            for key, value in corr.items():
+                                corr_sums[key] = corr_sums.get(key, 0.0) + value
+                        loss, metrics = loss_fn(inputs, settings)
+                        total = loss * scale if total is None else total + loss * scale
+                        # Kept as tensors: a float() per step would sync the device every step.
+                        for key, value in metrics.items():
+                            sums[key] = sums[key] + value if key in sums else value
+                        n_terms += 1
+                        if levels is not None:
+                            assert out.log_prob is not None
+                            old_j = micro["old_log_probs"][:, j].to(out.log_prob.device)
+                            ratio = torch.exp(out.log_prob.detach().float() - old_j.float())
+                            level = torch.searchsorted(levels, micro["staleness"]).to(ratio.device, non_blocking=True)
+                            _add_ratio_stats(ratio_stats, ratio_by_level(ratio, level, len(levels), cfg.clip_ratio))
+                    assert total is not None
+                    (scaler.scale(total) if scaler is not None else total).backward()
         grad_norm, applied = _optimizer_step(optimizer, params, cfg.grad_clip, scaler)
         grad_norms.append(grad_norm)
         skipped += not applied

@@ -225,6 +225,7 @@ class ActorConfig(ConfigModel):
     distill_loss_mode: Literal[DISTILL_LOSSES] = _a("distill_loss_mode")  # type: ignore[valid-type]
     distill_loss_coef: Annotated[float, Field(gt=0)] = _a("distill_loss_coef")
     detach_uncond_cfg: bool = _a("detach_uncond_cfg")
+    window_steps_per_forward: PositiveInt = _a("window_steps_per_forward")
     ema: EmaConfig = _a.section("ema", EmaConfig)
     checkpoint: CheckpointContentsConfig = _a.section("checkpoint", CheckpointContentsConfig)
     fsdp_config: FsdpConfig = _a.section("fsdp_config", FsdpConfig)

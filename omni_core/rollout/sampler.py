@@ -251,12 +251,52 @@ def score_transitions(
     unconditional branch). With unchanged weights and the same batch, the log-prob equals the rollout's bit
     for bit (ratio exactly 1 in fp32).
     """
+    (scored,) = score_window_steps(
+        policy,
+        traj,
+        [step],
+        guidance_scale=guidance_scale,
+        noise_level=noise_level,
+        sde_type=sde_type,
+        use_reference=use_reference,
+        detach_uncond=detach_uncond,
+        true_cfg_scale=true_cfg_scale,
+        use_teacher=use_teacher,
+    )
+    return scored
+
+
+def score_window_steps(
+    policy: FlowPolicy,
+    traj: Trajectory,
+    steps: Sequence[int],
+    *,
+    guidance_scale: float,
+    noise_level: float,
+    sde_type: str = SDE_TYPE,
+    use_reference: bool = False,
+    detach_uncond: bool = False,
+    true_cfg_scale: float = 1.0,
+    use_teacher: bool = False,
+) -> list[TransitionScore]:
+    """``score_transitions`` of several window ``steps`` in one transformer forward: the samples' rows of each step
+    stacked (``[len(steps) * B, ...]``, step by step, the conditioning repeated), then split per step. The same numbers
+    as one forward per step up to fp32 rounding (a batched matmul may sum in another order); one step is exactly
+    ``score_transitions``. Trades activation memory (``len(steps)`` x) for fewer, larger kernels."""
     device = policy.device
     height, width = traj.images.shape[-2:]
+    many = len(steps) > 1
+
+    def rows(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        picked = [values[:, j + offset] for j in steps]
+        return (torch.cat(picked) if many else picked[0]).to(device)
+
+    cond = {k: torch.cat([v] * len(steps)) for k, v in traj.cond.items()} if many else traj.cond
+    latents = rows(traj.latents)
     v = policy.velocity(
-        traj.latents[:, step].to(device),
-        traj.timesteps[:, step].to(device),
-        traj.cond,
+        latents,
+        rows(traj.timesteps),
+        cond,
         guidance_scale,
         use_reference=use_reference,
         height=height,
@@ -265,14 +305,19 @@ def score_transitions(
         true_cfg_scale=true_cfg_scale,
         use_teacher=use_teacher,
     )
+    sigma_max = traj.sigma_max.repeat(len(steps)) if many else traj.sigma_max
     _, log_prob, mean, std = sde_step_from_sigmas(
         v,
-        traj.latents[:, step].to(device),
-        traj.sigmas[:, step].to(device),
-        traj.sigmas[:, step + 1].to(device),
-        traj.sigma_max.to(device),
+        latents,
+        rows(traj.sigmas),
+        rows(traj.sigmas, 1),
+        sigma_max.to(device),
         noise_level,
-        prev_sample=traj.latents[:, step + 1].to(device),
+        prev_sample=rows(traj.latents, 1),
         sde_type=sde_type,
     )
-    return TransitionScore(log_prob, mean, std, v)
+    if not many:
+        return [TransitionScore(log_prob, mean, std, v)]
+    n = len(steps)
+    std_parts = std.chunk(n) if isinstance(std, torch.Tensor) and std.ndim and std.shape[0] == n * traj.batch_size else [std] * n
+    return [TransitionScore(*parts) for parts in zip(log_prob.chunk(n), mean.chunk(n), std_parts, v.chunk(n), strict=True)]

@@ -54,6 +54,15 @@ def direct_preference_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 f"every step, no log-probs): set actor_rollout_ref.model.algorithm={algorithm} with it"
             )
         return [ConfigProblem(key, why, value)]  # the keys below follow from these two
+    if forward_loss and arr.actor.window_steps_per_forward > 1:
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.window_steps_per_forward",
+                f"stacks the SDE window steps of a micro-batch in one forward; loss_mode={loss_mode} trains on "
+                "forward-process points of the final samples, one per step: remove the key (1)",
+                arr.actor.window_steps_per_forward,
+            )
+        )
     model_type, trainer_type = FORWARD_PROCESS_ALGORITHMS.get(model.algorithm, ("diffusion_model", "policy_gradient"))
     if model.model_type != model_type:
         p.append(

@@ -45,6 +45,7 @@ from omni_core.algorithms.update import (
     local_schedule,
     nonfinite_metrics,
     ppo_update,
+    window_chunks,
 )
 from omni_core.algorithms.zero_std_filter import mini_batches_per_update
 from omni_core.config import OmniFlowConfig
@@ -53,7 +54,7 @@ from omni_core.models import lora
 from omni_core.models.placement import training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.records import ONE_UPDATE, LocalUpdate
-from omni_core.rollout.sampler import TransitionScore, derive_sample_seed, score_transitions
+from omni_core.rollout.sampler import TransitionScore, derive_sample_seed, score_transitions, score_window_steps
 from omni_core.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,7 @@ class PolicyTrainer:
             kl_type=actor.kl_loss_type,
             distill_coef=actor.distill_loss_coef if actor.use_distill_loss else 0.0,
             distill_mode=actor.distill_loss_mode,
+            steps_per_forward=actor.window_steps_per_forward,
             dp_rank=self.rank,
             dp_size=self.world_size,
             # A loss's own keys; algorithm.adv_mode is DiffusionNFT's mapping of advantages (its loss reads it).
@@ -304,6 +306,31 @@ class PolicyTrainer:
             detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
         )
 
+    def score_steps(
+        self, traj: Trajectory, steps: list[int], use_reference: bool = False, use_teacher: bool = False
+    ) -> list[TransitionScore]:
+        """Window steps `steps` of `traj` re-scored in one forward (`actor.window_steps_per_forward`); one step is
+        exactly `score`."""
+        if len(steps) == 1:
+            return [self.score(traj, steps[0], use_reference, use_teacher)]
+        rollout = self.config.actor_rollout_ref.rollout
+        return score_window_steps(
+            self.policy,
+            traj,
+            steps,
+            guidance_scale=rollout.pipeline.guidance_scale,
+            true_cfg_scale=rollout.pipeline.true_cfg_scale,
+            noise_level=rollout.algo.noise_level,
+            sde_type=rollout.algo.sde_type,
+            use_reference=use_reference,
+            use_teacher=use_teacher,
+            detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
+        )
+
+    def window_chunks(self, window: int) -> list[list[int]]:
+        """The window steps each forward computes, in the update and in every no-grad pass (so they match)."""
+        return window_chunks(window, self.config.actor_rollout_ref.actor.window_steps_per_forward)
+
     @torch.no_grad()
     def old_log_probs(self, traj: Trajectory, means: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Old log-probs `[B, W]` in micro-batches of `rollout.log_prob_micro_batch_size_per_gpu` (default: the
@@ -316,11 +343,11 @@ class PolicyTrainer:
         old_means = None if means is None else torch.empty(traj.latents[:, 1:].shape, dtype=torch.float32)
         for idx in torch.arange(traj.batch_size).split(micro):
             part = traj.index_select(idx).to(self.policy.device)  # once, not per window step
-            for j in range(traj.window_size):
-                scored = self.score(part, j)
-                out[idx, j] = scored.log_prob.float().cpu()
-                if old_means is not None:
-                    old_means[idx, j] = scored.prev_sample_mean.float().cpu()
+            for steps in self.window_chunks(traj.window_size):
+                for j, scored in zip(steps, self.score_steps(part, steps), strict=True):
+                    out[idx, j] = scored.log_prob.float().cpu()
+                    if old_means is not None:
+                        old_means[idx, j] = scored.prev_sample_mean.float().cpu()
         if means is not None:
             means["old_prev_sample_mean"] = old_means
         bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
@@ -353,12 +380,13 @@ class PolicyTrainer:
         models = sorted({fields[key][1] for key in wanted})
         for idx in torch.arange(traj.batch_size).split(micro) if wanted else []:
             part = traj.index_select(idx).to(self.policy.device)
-            for j in range(traj.window_size):
+            for steps in self.window_chunks(traj.window_size):
                 for model in models:
-                    scored = self.score(part, j, use_reference=model == "reference", use_teacher=model == "teacher")
-                    for key in wanted:
-                        if fields[key][1] == model:
-                            out[key][idx, j] = getattr(scored, fields[key][0]).float().cpu()
+                    scores = self.score_steps(part, steps, use_reference=model == "reference", use_teacher=model == "teacher")
+                    for j, scored in zip(steps, scores, strict=True):
+                        for key in wanted:
+                            if fields[key][1] == model:
+                                out[key][idx, j] = getattr(scored, fields[key][0]).float().cpu()
         return out
 
     # ------------------------------------------------------------------------------- the training step
@@ -458,19 +486,24 @@ class PolicyTrainer:
         selected: dict[str, Any] = {}
         wanted = [key for key in TRAJECTORY_INPUTS if key in self.needs]
 
-        def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
+        def steps_fn(mb: dict[str, Any], steps: list[int]) -> list[StepOutput]:
             if selected.get("micro_batch") is not mb:
                 selected.update(micro_batch=mb, part=traj.index_select(row_of[mb["sample"]]).to(self.policy.device))
             rows_part = selected["part"]
-            scored = self.score(rows_part, j)
-            out = StepOutput(log_prob=scored.log_prob, prev_sample_mean=scored.prev_sample_mean, std_dev_t=scored.std_dev_t)
-            if "velocity" in self.needs:
-                out.velocity = scored.velocity
-            for key, ref in refs.items():  # the reference policy's value for the same transition (no gradient)
-                setattr(out, key, ref[mb["sample"], j].to(scored.velocity.device))
-            for key in wanted:
-                setattr(out, key, TRAJECTORY_INPUTS[key](rows_part, j))
-            return out
+            outs = []
+            for j, scored in zip(steps, self.score_steps(rows_part, steps), strict=True):
+                out = StepOutput(log_prob=scored.log_prob, prev_sample_mean=scored.prev_sample_mean, std_dev_t=scored.std_dev_t)
+                if "velocity" in self.needs:
+                    out.velocity = scored.velocity
+                for key, ref in refs.items():  # the reference policy's value for the same transition (no gradient)
+                    setattr(out, key, ref[mb["sample"], j].to(scored.velocity.device))
+                for key in wanted:
+                    setattr(out, key, TRAJECTORY_INPUTS[key](rows_part, j))
+                outs.append(out)
+            return outs
+
+        def step_fn(mb: dict[str, Any], j: int) -> StepOutput:
+            return steps_fn(mb, [j])[0]
 
         def forward_step_fn(mb: dict[str, Any], j: int) -> StepOutput:
             if selected.get("micro_batch") is not mb:
@@ -483,7 +516,7 @@ class PolicyTrainer:
         if values == "rewards" and not bool(preferred(advantages).any()):
             metrics = self._idle_update({"actor/dpo_idle_step": 1.0, "actor/dpo_tied_pairs": 1.0})
         else:
-            metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local)
+            metrics = self._update(batch, forward_step_fn if self.forward_process else step_fn, global_step, local, steps_fn)
         metrics.update(drift)
         return self._finish_step(metrics, global_step, local, t0, t1)
 
@@ -599,6 +632,7 @@ class PolicyTrainer:
         step_fn: Callable[[dict[str, Any], int], StepOutput],
         global_step: int,
         local: LocalUpdate = ONE_UPDATE,
+        steps_fn: Callable[[dict[str, Any], list[int]], list[StepOutput]] | None = None,
     ) -> dict[str, float]:
         """`ppo_update` through the data-parallel wrapper, if any (one rank: the transformer as is)."""
         self.policy.transformer.train()
@@ -615,6 +649,7 @@ class PolicyTrainer:
                 cfg=self.update_config(global_step, local, batch_size=int(batch["sample"].shape[0])),
                 scaler=self.grad_scaler,
                 no_grad_sync=no_sync,
+                steps_fn=steps_fn,
             )
         self.policy.transformer.eval()
         return metrics
