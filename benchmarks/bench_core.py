@@ -324,17 +324,23 @@ COMPARE_CONFIGS: dict[str, list[str]] = {
 }
 BYPASS = "algorithm.rollout_correction.bypass_mode=true"
 PLAIN_OVER_REFERENCE_TARGET = 1.5
-# Issue 36's throughput levers, each switched on in its own plain-loop run (bypass, equal work) of every config; the
-# target is for the loop with the levers on. The levers OmniFlow has off by default: the window steps of a
-# micro-batch in one forward and backward (all of them). CFG's two branches already share one forward in rollout
-# and training (no switch), and the configs here use no CFG.
+# Issue 36's throughput levers, each switched on in its own plain-loop run (bypass) of every config, then all of them;
+# the target is for the loop with the levers on. The levers OmniFlow has off by default: the window steps of a
+# micro-batch in one forward and backward (all of them: same work, fewer and larger kernels), and one initial noise per
+# prompt group (`init_same_noise`, flow_grpo's Fast sampler: the group's ODE path before its earliest SDE window is
+# computed once, so less work, and the samples of a group differ only from their windows on). CFG's two branches
+# already share one forward in rollout and training (no switch), and the configs here use no CFG.
 LEVERS_TARGET = 1.3
 
 
 def lever_overrides(config: OmniFlowConfig) -> dict[str, list[str]]:
-    """Each lever's keys for `config`, by lever name."""
+    """Each lever's keys for `config`, by lever name, and `all` of them."""
     window = config.actor_rollout_ref.rollout.algo.sde_window_size or config.actor_rollout_ref.rollout.pipeline.num_inference_steps
-    return {"window_steps_per_forward": [f"actor_rollout_ref.actor.window_steps_per_forward={window}"]}
+    levers = {
+        "window_steps_per_forward": [f"actor_rollout_ref.actor.window_steps_per_forward={window}"],
+        "shared_prefix": ["actor_rollout_ref.rollout.algo.init_same_noise=true"],
+    }
+    return levers | {"all": [key for keys in levers.values() for key in keys]}
 FWD_BWD_OVER_PEAK_TARGET = 0.5
 
 

@@ -199,6 +199,48 @@ def test_init_same_noise_starts_every_sample_of_a_group_from_the_groups_noise(sd
     assert not torch.equal(own.latents[0, 0], own.latents[1, 0])
 
 
+def test_a_groups_shared_ode_prefix_is_computed_once_and_equals_per_sample_ode_steps(sd3_policy):
+    """With init_same_noise every sample of a group starts from the group's noise, so until the group's earliest SDE
+    window step its samples follow one ODE path: the sampler computes it for one row per group (flow_grpo's Fast
+    sampler). Checked against plain Euler steps of every sample from the same noise, written here, and by counting
+    the rows the transformer saw (a forward hook on the module)."""
+    steps, n = 6, 4
+    rows_seen: list[int] = []
+    hook = sd3_policy.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: rows_seen.append((args[0] if args else kwargs["hidden_states"]).shape[0]), with_kwargs=True
+    )
+    try:
+        traj = _generate(sd3_policy, n=n, num_inference_steps=steps, sde_window_size=2, sde_window_range=(2, 5), init_same_noise=True)
+    finally:
+        hook.remove()
+    starts = traj.window_start.view(2, n)
+    group_start = starts.min(dim=1).values
+    assert bool((group_start >= 2).all())
+    # Rows the transformer computed: one per group while the group is on its shared path, all n afterwards.
+    expected_rows = [sum(1 if int(g) > i else n for g in group_start) for i in range(steps)]
+    assert rows_seen == expected_rows and sum(rows_seen) < steps * 2 * n
+    # Plain Euler steps of all 2 x n samples from the group noise, up to each group's earliest window.
+    group_seeds = [derive_sample_seed(7, 3, p, -1) for p in (0, 1)]
+    x = sd3_policy.prepare_latents(2 * n, SIZE, SIZE, [torch.Generator().manual_seed(s) for s in group_seeds for _ in range(n)])
+    timesteps, sigmas = sd3_policy.set_timesteps(steps, SIZE, SIZE)
+    cond = {k: v.repeat_interleave(n, dim=0) for k, v in sd3_policy.encode_prompts(PROMPTS, None, MAX_LEN, False).items()}
+    entered = {}
+    with torch.no_grad():
+        for i in range(int(group_start.max())):
+            for r in range(2 * n):
+                if int(traj.window_start[r]) == i:
+                    entered[r] = x[r].clone()
+            v = sd3_policy.velocity(x, timesteps[i].expand(2 * n), cond, 1.0, height=SIZE, width=SIZE)
+            x = x + v * (sigmas[i + 1] - sigmas[i])
+        for r in range(2 * n):
+            if int(traj.window_start[r]) == int(group_start.max()):
+                entered[r] = x[r].clone()
+    leaders = [r for r in range(2 * n) if int(traj.window_start[r]) == int(group_start[r // n])]
+    assert leaders and set(leaders) <= set(entered)
+    for r in leaders:  # each group's first window step starts from the shared path's latents
+        torch.testing.assert_close(traj.latents[r, 0], entered[r], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("algo", "expected"),
     [

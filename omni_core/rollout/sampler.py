@@ -140,15 +140,39 @@ def generate(
     rec_sigmas = torch.zeros(batch, num_window + 1, device=device)
     rows = torch.arange(batch, device=device)
 
+    # With init_same_noise every sample of a group starts from the same latents and conditioning, so until the group's
+    # earliest SDE window step all its rows are one ODE path: computed once per group (flow_grpo's Fast sampler).
+    group_start = start.view(-1, n).min(dim=1).values if init_same_noise and n > 1 else None
+
+    def velocity(i: int) -> torch.Tensor:
+        def forward(rows: torch.Tensor | None) -> torch.Tensor:
+            x = latents if rows is None else latents[rows]
+            c = cond if rows is None else {k: v[rows] for k, v in cond.items()}
+            return policy.velocity(
+                x, timesteps[i].expand(x.shape[0]), c, guidance_scale, height=height, width=width, true_cfg_scale=true_cfg_scale
+            )
+
+        shared = group_start > i if group_start is not None else None
+        if shared is None or not bool(shared.any()):
+            return forward(None)
+        # One row per group still on its shared path, every row of the others; then each shared row copied n times.
+        in_prefix = shared.repeat_interleave(n)
+        leaders = (torch.arange(len(shared), device=device) * n)[shared]
+        rows = torch.cat([leaders, rows_all[~in_prefix]])
+        out = forward(rows)
+        v = torch.empty((batch, *out.shape[1:]), dtype=out.dtype, device=out.device)
+        v[in_prefix] = out[: len(leaders)].repeat_interleave(n, dim=0)
+        v[~in_prefix] = out[len(leaders) :]
+        return v
+
+    rows_all = torch.arange(batch, device=device)
     for i in range(num_inference_steps):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         first = start == i
         rec_latents[first, 0] = latents[first]
         rec_sigmas[first, 0] = sigma
 
-        v = policy.velocity(
-            latents, timesteps[i].expand(batch), cond, guidance_scale, height=height, width=width, true_cfg_scale=true_cfg_scale
-        )
+        v = velocity(i)
         # Every sample draws its step noise (used or not) so its random stream is independent of its window.
         sde_next, log_prob, _, _ = sde_step_from_sigmas(
             v,
