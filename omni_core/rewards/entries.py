@@ -1,6 +1,6 @@
 """One entry of `reward.reward_functions`: which kind it is and which keys that kind takes; light (no torch).
 
-Five kinds, told apart by the keys an entry gives (first match wins):
+Six kinds, told apart by the keys an entry gives (first match wins):
 
   verl_http  `path: pkg://verl_omni.utils.reward_score.http_scorer_client` (verl-omni's HTTP scorer client): a
              server term in flow_grpo's pickle format that sends each sample's ground_truth as its prompt, as
@@ -8,6 +8,7 @@ Five kinds, told apart by the keys an entry gives (first match wins):
   file       `path` (+ `function`): a Python file with a compute_score-style function
   server     `server_url`: a reward server (`omni_core.rewards.server_client`)
   model      `name` one of MODEL_REWARD_NAMES: a model loaded from `model_path` (`omni_core.rewards.model_rewards`)
+  packaged   `name` one of PACKAGED_REWARD_NAMES: a model shipped in an installed package (`ocr`: `omni_core.rewards.ocr`)
   builtin    `name` one of BUILTIN_REWARD_NAMES
 
 A key the entry's kind does not take is refused with the keys it does take, so a typo or a key of another kind
@@ -22,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from omni_core.rewards.names import MODEL_REWARD_NAMES
+from omni_core.rewards.names import MODEL_REWARD_NAMES, PACKAGED_REWARD_NAMES
 
 __all__ = [
     "ALL_ENTRY_KEYS",
@@ -54,6 +55,7 @@ ENTRY_KEYS: dict[str, tuple[str, ...]] = {
     "builtin": ("name", "weight"),
     "file": ("name", "path", "function", "weight"),
     "model": ("name", "model_path", "processor_path", "revision", "head_path", "dtype", "batch_size", "weight"),
+    "packaged": ("name", "batch_size", "weight"),
     "server": ("name", *_SERVER_KEYS, "format", "prompts_from", "weight"),
     "verl_http": ("name", "path", "function", *_SERVER_KEYS, "prompts_from", "weight"),
 }
@@ -77,6 +79,8 @@ def entry_kind(entry: Mapping[str, Any]) -> str:
         return "server"
     if entry.get("name") in MODEL_REWARD_NAMES:
         return "model"
+    if entry.get("name") in PACKAGED_REWARD_NAMES:
+        return "packaged"
     return "builtin"
 
 
@@ -95,6 +99,7 @@ def refused_entry_keys(entry: Mapping[str, Any]) -> dict[str, str]:
                 "builtin": f"a built-in reward entry ({entry.get('name')!r})",
                 "file": "a reward-file entry (path)",
                 "model": f"a {entry.get('name')} model entry",
+                "packaged": f"a {entry.get('name')} entry (its model ships in an installed package)",
                 "server": "a reward-server entry (server_url)",
                 "verl_http": "verl-omni's http_scorer_client entry",
             }[kind]

@@ -32,6 +32,7 @@ advantage 0 below ``reward.max_failure_ratio``, a ``RewardFailureError`` above i
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import numbers
@@ -51,7 +52,7 @@ from omni_core.rewards.custom import DEFAULT_FUNCTION_NAME, load_reward_function
 from omni_core.rewards.deadline import DeadlineRunner, RewardTimeout
 from omni_core.rewards.entries import entry_kind, given_entry_keys, refused_entry_keys
 from omni_core.rewards.failures import RewardFailureError
-from omni_core.rewards.names import MODEL_REWARD_NAMES
+from omni_core.rewards.names import DATA_SOURCE_REWARDS, MODEL_REWARD_NAMES, PACKAGED_REWARDS
 from omni_core.rewards.plugins import find_reward
 from omni_core.rewards.registry import REWARD_FUNCTIONS, get_reward_function, reward_choices
 from omni_core.rewards.terms import BatchRewardTerm, RewardBatch, RewardTerm, SampleFailure
@@ -98,6 +99,20 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     return getattr(obj, key, default)
 
 
+def _packaged_term(name: str, spec: Any) -> Term:
+    """The term of a reward whose model ships in an installed package (`names.PACKAGED_REWARDS`)."""
+    return importlib.import_module(PACKAGED_REWARDS[name]).term(spec)
+
+
+def _source_term(data_source: str) -> Term:
+    """The reward a sample's data_source names (mode 3): a built-in, a packaged model reward (directly or under
+    verl-omni's data_source name, `names.DATA_SOURCE_REWARDS`) or one a recipe added."""
+    name = DATA_SOURCE_REWARDS.get(data_source, data_source)
+    if name in PACKAGED_REWARDS:
+        return _packaged_term(name, RewardFunctionSpec(name=name))
+    return _builtin_term(data_source)
+
+
 def _builtin_term(name: str, weight: float = 1.0, label: str | None = None) -> RewardTerm:
     builtin = get_reward_function(name)
 
@@ -127,6 +142,8 @@ def _term_from_entry(entry: Any, position: int, device: str | None) -> Term:
         from omni_core.rewards.model_rewards import model_term  # transformers only where a model is used
 
         return model_term(spec, device=device, where=where)
+    if kind == "packaged":
+        return _packaged_term(str(spec.name), spec)
     if kind == "file":
         fn = load_reward_function(spec.path, spec.function)
         return RewardTerm(label=spec.name or f"{Path(spec.path).stem}.{spec.function}", fn=fn, weight=spec.weight)
@@ -215,13 +232,19 @@ class RewardManager:
             )
         per_sample: list[list[Term]] = [self.terms] * n
         if not self.terms:
-            unknown = sorted(src for src in set(sources) if src not in REWARD_FUNCTIONS and find_reward(src) is None)
+            unknown = sorted(
+                src
+                for src in set(sources)
+                if src not in REWARD_FUNCTIONS
+                and DATA_SOURCE_REWARDS.get(src, src) not in PACKAGED_REWARDS
+                and find_reward(src) is None
+            )
             if unknown:
                 raise ValueError(
                     f"no built-in reward for data_source {unknown}; {reward_choices()}. Set reward.custom_reward_function.path "
                     "or reward.reward_functions to score other data sources"
                 )
-            by_source = {src: _builtin_term(src) for src in dict.fromkeys(sources)}
+            by_source = {src: _source_term(src) for src in dict.fromkeys(sources)}
             per_sample = [[by_source[src]] for src in sources]
 
         batch = RewardBatch(images=images, prompts=texts, data_sources=sources, ground_truths=truths, extra_infos=infos)

@@ -44,9 +44,9 @@ def register_reward(name: str, fn: Callable[[Any, Any], Any], *, owner: str) -> 
 
     A built-in name, or a name another function holds, is refused: a config must mean one reward in every process.
     """
-    from omni_core.rewards.names import BUILTIN_REWARD_NAMES, MODEL_REWARD_NAMES
+    from omni_core.rewards.names import BUILTIN_REWARD_NAMES, DATA_SOURCE_REWARDS, MODEL_REWARD_NAMES, PACKAGED_REWARD_NAMES
 
-    if name in BUILTIN_REWARD_NAMES or name in MODEL_REWARD_NAMES:
+    if name in (*BUILTIN_REWARD_NAMES, *MODEL_REWARD_NAMES, *PACKAGED_REWARD_NAMES, *DATA_SOURCE_REWARDS):
         raise ValueError(f"reward {name!r} is one of OmniFlow's own; register it under another name")
     held = _ADDED.get(name)
     if held is not None and held.fn is not fn:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_core.rewards.builtin import jpeg_compressibility, jpeg_incompressibility
-from omni_core.rewards.names import MODEL_REWARD_NAMES
+from omni_core.rewards.names import DATA_SOURCE_REWARDS, MODEL_REWARD_NAMES, PACKAGED_REWARD_NAMES
 from omni_core.rewards.plugins import added_reward_names, find_reward
 
 __all__ = ["REWARD_FUNCTIONS", "default_compute_score", "get_reward_function", "reward_choices"]
@@ -32,7 +32,10 @@ REWARD_FUNCTIONS: dict[str, Callable[[Any, Any], Any]] = {
 def reward_choices() -> str:
     """The reward names this process can resolve, as errors list them: built-ins, then added ones with their module."""
     added = ", ".join(f"{name} ({owner})" for name, owner in sorted(added_reward_names().items())) or "none"
-    return f"built-in rewards are {sorted(REWARD_FUNCTIONS)}, rewards added by recipes or packages: {added}"
+    return (
+        f"built-in rewards are {sorted(REWARD_FUNCTIONS)} and {list(PACKAGED_REWARD_NAMES)} (data_source "
+        f"{', '.join(DATA_SOURCE_REWARDS)} too), rewards added by recipes or packages: {added}"
+    )
 
 
 def get_reward_function(name: str) -> Callable[[Any, Any], Any]:

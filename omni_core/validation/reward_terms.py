@@ -16,7 +16,7 @@ from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.unsupported import REWARD_MODEL_REASON
 from omni_core.models.hub import TRANSFORMERS_SKIP, hub_problem, is_hub_id
 from omni_core.rewards.entries import display_url, entry_kind, given_entry_keys, refused_entry_keys
-from omni_core.rewards.names import BUILTIN_REWARD_NAMES, MODEL_REWARD_NAMES
+from omni_core.rewards.names import BUILTIN_REWARD_NAMES, MODEL_REWARD_NAMES, PACKAGED_REWARD_NAMES
 from omni_core.rewards.plugins import added_reward_names
 
 HEAD_SUFFIXES = (".safetensors", ".pth", ".pt")
@@ -55,13 +55,15 @@ def entry_problems(key: str, spec: object) -> list[ConfigProblem]:
         return _server_problems(key, spec)
     if kind == "model":
         return _model_problems(key, spec)
+    if kind == "packaged":
+        return []  # the model ships in an installed package: nothing to point at
     name = getattr(spec, "name", None)
     added = added_reward_names()
     if not name:
         return [
             ConfigProblem(
                 key,
-                f"needs a name (a built-in: {', '.join(BUILTIN_REWARD_NAMES)}; a model reward: {', '.join(MODEL_REWARD_NAMES)} "
+                f"needs a name (a built-in: {', '.join(BUILTIN_REWARD_NAMES + PACKAGED_REWARD_NAMES)}; a model reward: {', '.join(MODEL_REWARD_NAMES)} "
                 f"with model_path{_added_text(added)}), a path (a reward file) or a server_url (a reward server)",
                 None,
             )
@@ -70,7 +72,7 @@ def entry_problems(key: str, spec: object) -> list[ConfigProblem]:
         return [
             ConfigProblem(
                 f"{key}.name",
-                f"no built-in reward of that name; built-ins: {', '.join(BUILTIN_REWARD_NAMES)}; model rewards: "
+                f"no built-in reward of that name; built-ins: {', '.join(BUILTIN_REWARD_NAMES + PACKAGED_REWARD_NAMES)}; model rewards: "
                 f"{', '.join(MODEL_REWARD_NAMES)} (with model_path){_added_text(added)}; or give a path to your own "
                 "compute_score file, or a server_url",
                 name,
