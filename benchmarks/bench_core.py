@@ -361,7 +361,7 @@ def reference_flags(config: OmniFlowConfig, prompts_file: Path) -> list[str]:
         "actor_rollout_ref.model.enable_gradient_checkpointing": (arr.model.enable_gradient_checkpointing, {False}),
         "actor_rollout_ref.actor.strategy": (actor.strategy, {"torch"}),
         "actor_rollout_ref.rollout.dtype": (arr.rollout.dtype, fp32),
-        "actor_rollout_ref.actor.fsdp_config.dtype": (actor.fsdp_config.dtype, fp32),
+        "actor_rollout_ref.actor.fsdp_config.dtype": (actor.fsdp_config.compute_dtype, fp32),
         "actor_rollout_ref.actor.optim.lr_scheduler_type": (actor.optim.lr_scheduler_type, {"constant"}),
         "actor_rollout_ref.actor.optim.lr_warmup_steps": (actor.optim.lr_warmup_steps, {-1, 0}),
         "algorithm.global_std": (config.algorithm.global_std, {True}),

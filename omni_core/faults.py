@@ -135,7 +135,7 @@ def out_of_memory_error(config: Any, exc: BaseException, where: str) -> RunOutOf
         "training forward/backward; halve it, the gradient accumulates over more micro-batches)",
         f"data.gen_batch_size={config.data.gen_batch_size} (prompts per rollout call; set it below "
         f"data.train_batch_size={config.data.train_batch_size})",
-        f"actor_rollout_ref.actor.fsdp_config.dtype={actor.fsdp_config.dtype} (bf16 halves activations)",
+        f"actor_rollout_ref.actor.fsdp_config.dtype={actor.fsdp_config.compute_dtype} (bf16 halves activations)",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={model.enable_gradient_checkpointing} (true trades "
         "compute for activation memory)",
         f"actor_rollout_ref.model.lora_rank={model.lora_rank} (LoRA, e.g. 64, trains adapters only: no full "

@@ -103,10 +103,12 @@ KNOWN_FIELDS: dict[str, tuple[object, str]] = {
     ),
     # verl's spelling fp32 in the YAML; the config keeps the torch name.
     "actor_rollout_ref.actor.fsdp_config.dtype": (
-        "float32",
+        None,
         "Compute dtype of the training forward / backward (torch autocast), same spellings; fp16 trains with a gradient "
-        "scaler. verl-omni: bfloat16; OmniFlow: fp32, so the tiny CPU main job runs without autocast and the first "
-        "on-policy ratio is exactly 1.",
+        "scaler. null: the weights' dtype (model_dtype), so fp32 by default (the tiny CPU main job runs without autocast "
+        "and the first on-policy ratio is exactly 1) and a bf16 LoRA base computes in bf16, as verl-omni's recipes do. "
+        "fp32 compute on a reduced-precision base needs strategy=fsdp2 (it gathers the parameters in fp32): torch "
+        "autocast cannot upcast. verl-omni: bfloat16.",
     ),
     "actor_rollout_ref.rollout.calculate_log_probs": (
         True,

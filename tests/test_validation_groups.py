@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from omni_core.config import ConfigError, load_config
 from omni_core.device import accelerator_driver_present
@@ -430,3 +431,21 @@ def test_a_model_folder_of_a_pipeline_omniflow_does_not_train_is_refused_by_vali
     assert why in problems[0].message and "QwenImagePipeline, StableDiffusion3Pipeline" in problems[0].message
     if class_name:
         assert class_name in problems[0].message
+
+
+def test_the_compute_dtype_follows_a_reduced_base_unless_set_and_fp32_on_it_needs_fsdp2(tiny_sd3_dir):
+    """`fsdp_config.dtype` null computes in the weights' dtype (verl-omni's recipes: a bf16 LoRA base computes in bf16,
+    where autocast(fp32) would be disabled by torch with a warning); an explicit fp32 on a bf16 base is refused on the
+    torch strategy (autocast cannot upcast) and accepted on fsdp2 (it gathers the parameters in fp32)."""
+    from omni_core.models.placement import training_policy_kwargs
+
+    base = [f"actor_rollout_ref.model.path={tiny_sd3_dir}", "actor_rollout_ref.model.lora_rank=4"]
+    bf16 = [*base, "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]
+    assert training_policy_kwargs(load_config(overrides=base))["compute_dtype"] == torch.float32
+    assert training_policy_kwargs(load_config(overrides=bf16))["compute_dtype"] == torch.bfloat16
+    key = "actor_rollout_ref.actor.fsdp_config.dtype"
+    assert key not in [p.key for p in config_problems(load_config(overrides=bf16))]
+    refused = [p for p in config_problems(load_config(overrides=[*bf16, f"{key}=fp32"])) if p.key == key]
+    assert len(refused) == 1 and "fsdp2" in refused[0].message
+    sharded = [*bf16, f"{key}=fp32", "actor_rollout_ref.actor.strategy=fsdp2", "trainer.n_gpus_per_node=2"]
+    assert key not in [p.key for p in config_problems(load_config(overrides=sharded), {"cuda": 0, "npu": 0, "cpu": 2})]

@@ -49,9 +49,9 @@ def torch_dtype_name(name: str) -> str:
     return canonical
 
 
-def _canonical_dtype(value: str) -> str:
-    """An after-validator of `DtypeName` fields: verl's spellings become the torch names."""
-    return torch_dtype_name(value)
+def _canonical_dtype(value: str | None) -> str | None:
+    """An after-validator of `DtypeName` fields: verl's spellings become the torch names (None stays None)."""
+    return None if value is None else torch_dtype_name(value)
 
 
 class _Section:
@@ -185,12 +185,17 @@ class FsdpConfig(ConfigModel):
     offload / sequence-parallel keys at their only implemented value (other values are refused)."""
 
     model_dtype: DtypeName = _fs("model_dtype")
-    dtype: DtypeName = _fs("dtype")
+    dtype: DtypeName | None = _fs("dtype")
     param_offload: bool = _fs("param_offload")
     optimizer_offload: bool = _fs("optimizer_offload")
     ulysses_sequence_parallel_size: PositiveInt = _fs("ulysses_sequence_parallel_size")
 
     _dtypes = field_validator("model_dtype", "dtype")(_canonical_dtype)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the training forward / backward computes in: `dtype`, or the weights' (`model_dtype`) when null."""
+        return self.dtype or self.model_dtype
 
 
 _e = _Section("actor_rollout_ref.actor.ema")

@@ -79,7 +79,7 @@ def training_policy_kwargs(config: Any) -> dict[str, Any]:
     return {
         "device": actor_device(config.trainer.device),
         "dtype": torch_dtype(fsdp.model_dtype),
-        "compute_dtype": torch_dtype(fsdp.dtype),
+        "compute_dtype": torch_dtype(fsdp.compute_dtype),
         "text_encoders": False,  # training reads the prompt embeddings from the trajectories
         "trainable": True,
     }
@@ -101,13 +101,13 @@ def rollout_policy_kwargs(config: Any, prompt_embeddings: str | None) -> dict[st
 def rollout_shares_trained_weights(config: Any, prompt_embeddings: str | None) -> bool:
     """Hybrid engine: whether a rank's rollout samples with the trained modules themselves (`FlowPolicy.sampling_view`)
     or needs a copy of its own. Sharing gives the same numbers as a separate rollout copy only when the weights are
-    already in `rollout.dtype` with no autocast (`fsdp_config.model_dtype == fsdp_config.dtype == rollout.dtype`),
+    already in `rollout.dtype` with no autocast (`fsdp_config.model_dtype == compute dtype == rollout.dtype`),
     both sides use one attention backend, and the prompts come from an embedding file (the trained copy has no
     text encoders). Otherwise (e.g. fp32 master weights with a bf16 rollout, as on a GPU) the rank keeps a
     `rollout.dtype` copy and refreshes it in-process after each update."""
     arr = config.actor_rollout_ref
     fsdp = arr.actor.fsdp_config
-    same_dtype = torch_dtype(fsdp.model_dtype) == torch_dtype(fsdp.dtype) == torch_dtype(arr.rollout.dtype)
+    same_dtype = torch_dtype(fsdp.model_dtype) == torch_dtype(fsdp.compute_dtype) == torch_dtype(arr.rollout.dtype)
     same_attention = ROLLOUT_ATTN_BACKENDS[arr.rollout.rollout_attn_backend] == arr.model.attn_backend
     return prompt_embeddings is not None and same_dtype and same_attention
 

@@ -138,13 +138,13 @@ def fsdp2_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         return []
     p: list[ConfigProblem] = []
     fsdp = actor.fsdp_config
-    if fsdp.dtype == "float16":
+    if fsdp.compute_dtype == "float16":
         p.append(
             ConfigProblem(
                 "actor_rollout_ref.actor.fsdp_config.dtype",
                 "fsdp2 computes in its MixedPrecisionPolicy without a gradient scaler, which float16 needs; use "
                 "bfloat16 (or strategy=ddp for float16 with a scaler)",
-                fsdp.dtype,
+                fsdp.compute_dtype,
             )
         )
     if "optimizer" not in actor.checkpoint.save_contents:

@@ -24,4 +24,14 @@ def precision_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
                 fsdp.model_dtype,
             )
         )
+    if fsdp.dtype == "float32" and fsdp.model_dtype != "float32" and config.actor_rollout_ref.actor.strategy != "fsdp2":
+        p.append(
+            ConfigProblem(
+                "actor_rollout_ref.actor.fsdp_config.dtype",
+                f"fp32 compute on a {fsdp.model_dtype} base (fsdp_config.model_dtype) cannot run under torch autocast, which "
+                "only lowers precision (torch would disable it and compute in the base's dtype): remove the key (null "
+                f"computes in {fsdp.model_dtype}), or use actor.strategy=fsdp2, which gathers the parameters in fp32",
+                fsdp.dtype,
+            )
+        )
     return p

@@ -352,7 +352,7 @@ class PolicyTrainer:
             means["old_prev_sample_mean"] = old_means
         bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
         if bad:
-            dtype = arr.actor.fsdp_config.dtype
+            dtype = arr.actor.fsdp_config.compute_dtype
             raise RuntimeError(
                 f"the recomputed old log-probs of samples {bad[:8]} are not finite (training compute dtype "
                 f"actor_rollout_ref.actor.fsdp_config.dtype={dtype}); train in float32 or bfloat16, or lower the learning rate"
@@ -673,7 +673,7 @@ class PolicyTrainer:
             f"so the weights are those of step {global_step - self.nonfinite_streak}. Likely causes: the learning rate "
             f"actor_rollout_ref.actor.optim.lr={arr.actor.optim.lr:g} is too high (try 10x lower, or a warm-up with "
             f"actor_rollout_ref.actor.optim.lr_warmup_steps); training compute in "
-            f"actor_rollout_ref.actor.fsdp_config.dtype={arr.actor.fsdp_config.dtype} (float16 overflows: use bfloat16 "
+            f"actor_rollout_ref.actor.fsdp_config.dtype={arr.actor.fsdp_config.compute_dtype} (float16 overflows: use bfloat16 "
             f"or float32); a rollout in actor_rollout_ref.rollout.dtype={arr.rollout.dtype} that drifts from the trained "
             f"policy (use float32; see training/rollout_probs_diff_max); actor_rollout_ref.actor.grad_clip="
             f"{arr.actor.grad_clip:g}"
