@@ -54,7 +54,7 @@ from omni_core.models import lora
 from omni_core.models.placement import training_policy_kwargs
 from omni_core.models.policy import FlowPolicy
 from omni_core.records import ONE_UPDATE, LocalUpdate
-from omni_core.rollout.sampler import TransitionScore, derive_sample_seed, score_transitions, score_window_steps
+from omni_core.rollout.sampler import TransitionScore, derive_sample_seed, score_window_steps
 from omni_core.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -292,27 +292,13 @@ class PolicyTrainer:
 
     def score(self, traj: Trajectory, j: int, use_reference: bool = False, use_teacher: bool = False) -> TransitionScore:
         """Window step `j` of `traj` re-scored under the policy (or its reference, or the distillation teacher)."""
-        rollout = self.config.actor_rollout_ref.rollout
-        return score_transitions(
-            self.policy,
-            traj,
-            j,
-            guidance_scale=rollout.pipeline.guidance_scale,
-            true_cfg_scale=rollout.pipeline.true_cfg_scale,
-            noise_level=rollout.algo.noise_level,
-            sde_type=rollout.algo.sde_type,
-            use_reference=use_reference,
-            use_teacher=use_teacher,
-            detach_uncond=self.config.actor_rollout_ref.actor.detach_uncond_cfg,
-        )
+        return self.score_steps(traj, [j], use_reference, use_teacher)[0]
 
     def score_steps(
         self, traj: Trajectory, steps: list[int], use_reference: bool = False, use_teacher: bool = False
     ) -> list[TransitionScore]:
         """Window steps `steps` of `traj` re-scored in one forward (`actor.window_steps_per_forward`); one step is
-        exactly `score`."""
-        if len(steps) == 1:
-            return [self.score(traj, steps[0], use_reference, use_teacher)]
+        exactly `score_transitions`."""
         rollout = self.config.actor_rollout_ref.rollout
         return score_window_steps(
             self.policy,
