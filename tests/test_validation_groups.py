@@ -449,3 +449,11 @@ def test_the_compute_dtype_follows_a_reduced_base_unless_set_and_fp32_on_it_need
     assert len(refused) == 1 and "fsdp2" in refused[0].message
     sharded = [*bf16, f"{key}=fp32", "actor_rollout_ref.actor.strategy=fsdp2", "trainer.n_gpus_per_node=2"]
     assert key not in [p.key for p in config_problems(load_config(overrides=sharded), {"cuda": 0, "npu": 0, "cpu": 2})]
+
+
+def test_a_reward_function_name_without_its_file_is_refused(tiny_sd3_dir):
+    """`reward.custom_reward_function.name` without `path` would be read by nothing (the data_source picks the reward)."""
+    model = f"actor_rollout_ref.model.path={tiny_sd3_dir}"
+    problems = config_problems(load_config(overrides=[model, "reward.custom_reward_function.name=compute_score_ocr"]))
+    assert [p.key for p in problems if p.key.startswith("reward")] == ["reward.custom_reward_function.name"]
+    assert not [p for p in config_problems(load_config(overrides=[model])) if p.key.startswith("reward")]

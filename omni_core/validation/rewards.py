@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from omni_core.config import ConfigProblem, OmniFlowConfig
-from omni_core.rewards.custom import RewardLoadError, check_reward_source
+from omni_core.rewards.custom import DEFAULT_FUNCTION_NAME, RewardLoadError, check_reward_source
 from omni_core.rewards.entries import entry_kind, given_entry_keys
 from omni_core.validation.reward_terms import entry_problems, reward_model_problems
 
@@ -77,6 +77,16 @@ def reward_problems(config: OmniFlowConfig, allowed_reward_dirs: Sequence[str | 
         p.append(_not_allowed("reward.custom_reward_function.path", custom, allowed_reward_dirs))
     elif custom:
         p.extend(_source_problems("reward.custom_reward_function.path", custom, reward.custom_reward_function.name))
+    elif reward.custom_reward_function.name != DEFAULT_FUNCTION_NAME:
+        # A function name with no file would be read by nothing: the samples' data_source picks the reward.
+        p.append(
+            ConfigProblem(
+                "reward.custom_reward_function.name",
+                "names a function of reward.custom_reward_function.path, which is not set: set the path to the file that "
+                "defines it, or remove the name (each sample's data_source then picks a built-in reward)",
+                reward.custom_reward_function.name,
+            )
+        )
     for i, spec in enumerate(reward.reward_functions):
         key = f"reward.reward_functions[{i}]"
         if spec.path and entry_kind(given_entry_keys(spec)) == "file":
