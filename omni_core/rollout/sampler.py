@@ -145,9 +145,9 @@ def generate(
     group_start = start.view(-1, n).min(dim=1).values if init_same_noise and n > 1 else None
 
     def velocity(i: int) -> torch.Tensor:
-        def forward(rows: torch.Tensor | None) -> torch.Tensor:
-            x = latents if rows is None else latents[rows]
-            c = cond if rows is None else {k: v[rows] for k, v in cond.items()}
+        def forward(picked: torch.Tensor | None) -> torch.Tensor:
+            x = latents if picked is None else latents[picked]
+            c = cond if picked is None else {k: v[picked] for k, v in cond.items()}
             return policy.velocity(
                 x, timesteps[i].expand(x.shape[0]), c, guidance_scale, height=height, width=width, true_cfg_scale=true_cfg_scale
             )
@@ -158,14 +158,12 @@ def generate(
         # One row per group still on its shared path, every row of the others; then each shared row copied n times.
         in_prefix = shared.repeat_interleave(n)
         leaders = (torch.arange(len(shared), device=device) * n)[shared]
-        rows = torch.cat([leaders, rows_all[~in_prefix]])
-        out = forward(rows)
+        out = forward(torch.cat([leaders, rows[~in_prefix]]))
         v = torch.empty((batch, *out.shape[1:]), dtype=out.dtype, device=out.device)
         v[in_prefix] = out[: len(leaders)].repeat_interleave(n, dim=0)
         v[~in_prefix] = out[len(leaders) :]
         return v
 
-    rows_all = torch.arange(batch, device=device)
     for i in range(num_inference_steps):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         first = start == i
