@@ -11,7 +11,7 @@ from omni_core.config import ConfigProblem, OmniFlowConfig
 from omni_core.config.algorithm_names import DISTILL_LOSSES
 from omni_core.models.architectures import unsupported_pipeline_reason
 from omni_core.models.hub import hub_problem, is_hub_id
-from omni_core.models.model_index import config_differences
+from omni_core.models.model_index import ModelLoadError, config_differences, pipeline_class_name
 
 TEACHER = "distillation.teacher_models.teacher_model.model_path"
 
@@ -78,7 +78,7 @@ def _teacher_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
         why = f"no diffusers pipeline at {folder} (model_index.json missing); point it at the teacher's pipeline folder (LoRA merged) or a Hub id"
         return [ConfigProblem(TEACHER, why, teacher.model_path)]
     student = Path(config.actor_rollout_ref.model.path).expanduser()
-    theirs_class = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    theirs_class = _class_name(folder)
     unsupported = unsupported_pipeline_reason(theirs_class)
     if unsupported:
         return [ConfigProblem(TEACHER, f"{folder}: {unsupported}", teacher.model_path)]
@@ -104,8 +104,8 @@ def _teacher_problems(config: OmniFlowConfig) -> list[ConfigProblem]:
 
 def _class_name(folder: Path) -> str | None:
     try:
-        return json.loads((folder / "model_index.json").read_text()).get("_class_name")
-    except (OSError, json.JSONDecodeError):
+        return pipeline_class_name(folder)
+    except ModelLoadError:
         return None
 
 

@@ -4,7 +4,6 @@ to find missing after Ray started)."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from omni_core.config.schema import ModelConfig
 from omni_core.data_files import DataFileError, as_file_list, resolve_data_path
 from omni_core.models.architectures import unsupported_pipeline_reason
 from omni_core.models.hub import TRANSFORMERS_SKIP, hub_problem, is_hub_id, resolve_model_path
-from omni_core.models.model_index import ModelLoadError
+from omni_core.models.model_index import ModelLoadError, pipeline_class_name
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -115,10 +114,9 @@ def _unsupported_pipeline(model_dir: Path, architecture: str | None) -> str | No
     if architecture and architecture.lower() != "auto":
         return None  # the loader checks the two agree
     try:
-        index = json.loads((model_dir / "model_index.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        return unsupported_pipeline_reason(pipeline_class_name(model_dir))
+    except ModelLoadError:
         return None
-    return unsupported_pipeline_reason(index.get("_class_name"))
 
 
 def _where(config: OmniFlowConfig) -> str:
